@@ -1,0 +1,111 @@
+"""hsdump: verified hidden states from an inference server into a compressed Zarr store.
+
+Importing ``hsdump`` does no work: names are loaded from their modules on first use, so
+``import hsdump`` pulls in neither torch, zarr nor httpx.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from hsdump._exceptions import (
+    ConfigError,
+    DegenerateValues,
+    DtypeMismatch,
+    DumpError,
+    DumpFailed,
+    DumpTimeout,
+    DumpValidationError,
+    HsdumpError,
+    InputError,
+    LayerMismatch,
+    NonFiniteValues,
+    ProvenanceMismatch,
+    RidMismatch,
+    SampleExistsError,
+    SampleNotFoundError,
+    ServerConfigError,
+    ServerError,
+    ServerNotDumping,
+    ServerResponseError,
+    ServerTimeout,
+    ServerUnavailable,
+    ShapeMismatch,
+    StoreCorruptedError,
+    StoreError,
+    TokenMismatch,
+)
+from hsdump._types import HiddenStates, Sample
+
+if TYPE_CHECKING:
+    from hsdump._client import HiddenStateClient
+    from hsdump._dataset import HiddenStateDataset
+    from hsdump._reference import ReferenceServer
+    from hsdump._store import HiddenStateStore, open_store
+    from hsdump._watcher import DumpWatcher, InotifyWatcher, PollingWatcher
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "DumpWatcher": "hsdump._watcher",
+    "HiddenStateClient": "hsdump._client",
+    "HiddenStateDataset": "hsdump._dataset",
+    "HiddenStateStore": "hsdump._store",
+    "InotifyWatcher": "hsdump._watcher",
+    "PollingWatcher": "hsdump._watcher",
+    "ReferenceServer": "hsdump._reference",
+    "open_store": "hsdump._store",
+}
+
+__all__ = [
+    "ConfigError",
+    "DegenerateValues",
+    "DtypeMismatch",
+    "DumpError",
+    "DumpFailed",
+    "DumpTimeout",
+    "DumpValidationError",
+    "DumpWatcher",
+    "HiddenStateClient",
+    "HiddenStateDataset",
+    "HiddenStateStore",
+    "HiddenStates",
+    "HsdumpError",
+    "InotifyWatcher",
+    "InputError",
+    "LayerMismatch",
+    "NonFiniteValues",
+    "PollingWatcher",
+    "ProvenanceMismatch",
+    "ReferenceServer",
+    "RidMismatch",
+    "Sample",
+    "SampleExistsError",
+    "SampleNotFoundError",
+    "ServerConfigError",
+    "ServerError",
+    "ServerNotDumping",
+    "ServerResponseError",
+    "ServerTimeout",
+    "ServerUnavailable",
+    "ShapeMismatch",
+    "StoreCorruptedError",
+    "StoreError",
+    "TokenMismatch",
+    "__version__",
+    "open_store",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hsdump' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -1,0 +1,207 @@
+"""Every error hsdump raises.
+
+Callers catch :class:`HsdumpError` (or one of its branches) and never an ``httpx``, ``pydantic``,
+``zarr`` or ``OSError`` from inside hsdump: those are translated at the boundary with
+``raise ... from exc``. Each message names the sample, the request id, what was expected, what was
+found, and what to do.
+
+The tree::
+
+    HsdumpError
+    ├── ConfigError (ValueError)            bad settings or arguments
+    ├── InputError (ValueError)             a bad sample or dataset line
+    ├── ServerError                         talking to the inference server
+    │   ├── ServerUnavailable (ConnectionError)   refused, reset, unreachable       [transient]
+    │   ├── ServerTimeout (TimeoutError)          no HTTP answer in time            [transient]
+    │   ├── ServerResponseError                   a non-2xx status or a malformed body
+    │   │                                         (5xx are transient, 4xx are not)
+    │   ├── ServerNotDumping                      no producer manifest in the dump root
+    │   └── ServerConfigError                     settings that would truncate captures
+    ├── DumpError                           a request's dump
+    │   ├── DumpTimeout (TimeoutError)            the dump never completed         [transient]
+    │   ├── DumpFailed                            the producer published an error marker [transient]
+    │   └── DumpValidationError (ValueError)      the dump is not this sample's hidden states
+    │       ├── RidMismatch
+    │       ├── TokenMismatch
+    │       ├── ShapeMismatch
+    │       ├── LayerMismatch
+    │       ├── DtypeMismatch
+    │       ├── NonFiniteValues
+    │       └── DegenerateValues
+    └── StoreError                          the Zarr store
+        ├── SampleExistsError
+        ├── SampleNotFoundError (KeyError)
+        ├── ProvenanceMismatch
+        └── StoreCorruptedError
+
+``exc.transient`` says whether retrying the sample with a fresh request may succeed.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "DegenerateValues",
+    "DtypeMismatch",
+    "DumpError",
+    "DumpFailed",
+    "DumpTimeout",
+    "DumpValidationError",
+    "HsdumpError",
+    "InputError",
+    "LayerMismatch",
+    "NonFiniteValues",
+    "ProvenanceMismatch",
+    "RidMismatch",
+    "SampleExistsError",
+    "SampleNotFoundError",
+    "ServerConfigError",
+    "ServerError",
+    "ServerNotDumping",
+    "ServerResponseError",
+    "ServerTimeout",
+    "ServerUnavailable",
+    "ShapeMismatch",
+    "StoreCorruptedError",
+    "StoreError",
+    "TokenMismatch",
+]
+
+
+class HsdumpError(Exception):
+    """Base class of every hsdump error.
+
+    Attributes:
+        sample_id: The sample being processed, when known.
+        rid: The request id sent to the server, when known.
+        transient: Whether a retry with a fresh request may succeed.
+    """
+
+    transient: bool = False
+
+    def __init__(self, message: str, *, sample_id: str | None = None, rid: str | None = None):
+        self.sample_id = sample_id
+        self.rid = rid
+        context = ", ".join(
+            f"{name} {value!r}" for name, value in (("sample", sample_id), ("request", rid)) if value
+        )
+        super().__init__(f"[{context}] {message}" if context else message)
+
+
+class ConfigError(HsdumpError, ValueError):
+    """A setting or argument is invalid."""
+
+
+class InputError(HsdumpError, ValueError):
+    """A sample or a dataset line is invalid."""
+
+
+class ServerError(HsdumpError):
+    """Talking to the inference server failed."""
+
+
+class ServerUnavailable(ServerError, ConnectionError):
+    """The server refused, reset or dropped the connection."""
+
+    transient = True
+
+
+class ServerTimeout(ServerError, TimeoutError):
+    """The server did not answer the HTTP request in time."""
+
+    transient = True
+
+
+class ServerResponseError(ServerError):
+    """The server answered with an error status or a body hsdump cannot use."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status_code: int | None = None,
+        sample_id: str | None = None,
+        rid: str | None = None,
+    ):
+        self.status_code = status_code
+        self.transient = status_code is not None and status_code >= 500
+        super().__init__(message, sample_id=sample_id, rid=rid)
+
+
+class ServerNotDumping(ServerError):
+    """No producer has announced itself in the dump root: the server is not dumping there."""
+
+
+class ServerConfigError(ServerError):
+    """The server runs with settings that would truncate or corrupt captures."""
+
+
+class DumpError(HsdumpError):
+    """A request's dump is missing, failed, or wrong."""
+
+
+class DumpTimeout(DumpError, TimeoutError):
+    """The request's dump did not complete in time."""
+
+    transient = True
+
+
+class DumpFailed(DumpError):
+    """The producer published an ``error`` marker for the request."""
+
+    transient = True
+
+
+class DumpValidationError(DumpError, ValueError):
+    """The dump does not hold this sample's hidden states."""
+
+
+class RidMismatch(DumpValidationError):
+    """The dump or response belongs to another request."""
+
+
+class TokenMismatch(DumpValidationError):
+    """The server processed other token ids than those sent."""
+
+
+class ShapeMismatch(DumpValidationError):
+    """A tensor has the wrong number of rows, layers or hidden size."""
+
+
+class LayerMismatch(DumpValidationError):
+    """The dump holds other layers than expected."""
+
+
+class DtypeMismatch(DumpValidationError):
+    """The dump's dtype differs from what was expected."""
+
+
+class NonFiniteValues(DumpValidationError):
+    """A tensor holds NaN or infinite values."""
+
+
+class DegenerateValues(DumpValidationError):
+    """A tensor holds an all-zero row or layer."""
+
+
+class StoreError(HsdumpError):
+    """The hidden-state store refused an operation or is damaged."""
+
+
+class SampleExistsError(StoreError):
+    """The sample is already committed to the store."""
+
+
+class SampleNotFoundError(StoreError, KeyError):
+    """The sample is not committed to the store."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class ProvenanceMismatch(StoreError):
+    """The sample was produced under other settings than the store's."""
+
+
+class StoreCorruptedError(StoreError):
+    """Stored bytes do not match their checksum, or the store's structure is damaged."""

@@ -1,0 +1,89 @@
+"""The values users pass in and get back: :class:`Sample` and :class:`HiddenStates`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from hsdump._exceptions import InputError
+
+if TYPE_CHECKING:
+    import torch
+
+    from hsdump._protocol import DumpMeta
+
+__all__ = ["HiddenStates", "Sample"]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One training sample: an ID and the token ids to run through the target model.
+
+    Args:
+        id: A unique sample ID (the key in the store).
+        input_ids: The token ids, as a non-empty sequence of non-negative ints.
+        loss_mask: Optional per-token mask (0/1), the same length as ``input_ids``.
+    """
+
+    id: str
+    input_ids: Sequence[int]
+    loss_mask: Sequence[int] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.id, str) or not self.id:
+            raise InputError(f"sample id must be a non-empty string, got {self.id!r}")
+        ids = list(self.input_ids)
+        if not ids:
+            raise InputError("input_ids is empty: nothing to extract", sample_id=self.id)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            bad = next(t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and t >= 0))
+            raise InputError(
+                f"input_ids must be non-negative ints, found {bad!r}", sample_id=self.id
+            )
+        object.__setattr__(self, "input_ids", ids)
+        if self.loss_mask is not None:
+            mask = [int(m) for m in self.loss_mask]
+            if len(mask) != len(ids):
+                raise InputError(
+                    f"loss_mask has {len(mask)} entries, input_ids has {len(ids)}: they must match",
+                    sample_id=self.id,
+                )
+            object.__setattr__(self, "loss_mask", mask)
+
+
+@dataclass
+class HiddenStates:
+    """A sample's verified hidden states, as torch tensors.
+
+    Attributes:
+        sample_id: The sample's ID.
+        input_ids: int64 tensor ``[T]``, the token ids the server processed.
+        aux_hidden_states: ``[T, K, H]`` in the dtype the server produced (bf16 normally).
+        final_hidden_state: ``[T, H]``, the final state (see ``meta.final_norm``).
+        layer_ids: The K aux layer ids (transformers ``hidden_states[i]`` convention).
+        loss_mask: Optional uint8/bool tensor ``[T]``.
+        meta: The dump's metadata when it came from a server, else None.
+        attrs: Free-form provenance (for example, what the store recorded).
+    """
+
+    sample_id: str
+    input_ids: torch.Tensor
+    aux_hidden_states: torch.Tensor
+    final_hidden_state: torch.Tensor
+    layer_ids: list[int]
+    loss_mask: torch.Tensor | None = None
+    meta: DumpMeta | None = None
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the number of tokens."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the two hidden-state tensors."""
+        return sum(
+            t.element_size() * t.nelement() for t in (self.aux_hidden_states, self.final_hidden_state)
+        )
