@@ -1,0 +1,211 @@
+"""Reading and validating a JSONL dataset of samples.
+
+Each line is a JSON object ``{"id": ..., "input_ids": [...], "loss_mask": [...]}``; with a local
+tokenizer, ``"text"`` or chat ``"messages"`` may stand in for ``input_ids``. A bad line never stops
+the others: it becomes a :class:`BadLine` naming the line number and the reason, and the caller
+decides what to do with it (the CLI reports it and records it in the failures file).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hsdump._exceptions import ConfigError, InputError
+from hsdump._types import Sample
+
+__all__ = ["BadLine", "Dataset", "InputLimits", "load_tokenizer", "read_dataset"]
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """What the server accepts; checked here so a bad sample never reaches it.
+
+    Attributes:
+        vocab_size: Token ids must lie in ``[0, vocab_size)``; unchecked when None.
+        max_tokens: The longest prompt the server takes; unchecked when None.
+    """
+
+    vocab_size: int | None = None
+    max_tokens: int | None = None
+
+    @classmethod
+    def from_server_info(cls, info: Mapping[str, Any]) -> InputLimits:
+        """The limits a server reports in ``/server_info`` (absent fields are not checked)."""
+        length = info.get("max_req_input_len") or info.get("context_length")
+        vocab = info.get("vocab_size")
+        return cls(
+            vocab_size=int(vocab) if vocab else None, max_tokens=int(length) if length else None
+        )
+
+
+@dataclass(frozen=True)
+class BadLine:
+    """A dataset line that cannot be extracted.
+
+    Attributes:
+        line: The 1-based line number.
+        error: The error, whose message names the file, the line and the reason.
+        sample_id: The line's sample id, when it could be read.
+    """
+
+    line: int
+    error: InputError
+    sample_id: str | None = None
+
+
+@dataclass
+class Dataset:
+    """The valid samples of a dataset file and its bad lines.
+
+    Attributes:
+        samples: Valid samples, in file order.
+        bad_lines: Lines that were rejected.
+        line_numbers: The line number of each valid sample's id.
+    """
+
+    samples: list[Sample] = field(default_factory=list)
+    bad_lines: list[BadLine] = field(default_factory=list)
+    line_numbers: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens over all valid samples."""
+        return sum(len(s.input_ids) for s in self.samples)
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> Any:
+    """Load a tokenizer from a local directory (never from the network).
+
+    Raises:
+        ConfigError: The directory holds no loadable tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(os.fspath(path), local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            f"cannot load a tokenizer from {os.fspath(path)!r}: {exc}. "
+            "Pass a local directory holding tokenizer files (tokenizer.json, tokenizer_config.json)"
+        ) from exc
+
+
+def read_dataset(
+    path: str | os.PathLike[str],
+    *,
+    limits: InputLimits | None = None,
+    tokenizer: Any = None,
+) -> Dataset:
+    """Read and validate a JSONL dataset.
+
+    Args:
+        path: The JSONL file.
+        limits: The server's vocabulary size and context length, checked for every sample.
+        tokenizer: A loaded tokenizer for ``text`` and ``messages`` lines.
+
+    Raises:
+        InputError: The file cannot be read at all (bad lines are reported in the result instead).
+    """
+    path = Path(path)
+    dataset = Dataset()
+    parser = _LineParser(path, limits or InputLimits(), tokenizer)
+    for number, text in _lines(path):
+        try:
+            sample = parser.parse(number, text)
+        except InputError as exc:
+            dataset.bad_lines.append(BadLine(number, exc, exc.sample_id))
+            continue
+        if sample.id in dataset.line_numbers:
+            first = dataset.line_numbers[sample.id]
+            error = parser.error(number, f"duplicate id {sample.id!r} (first on line {first})")
+            dataset.bad_lines.append(BadLine(number, error, sample.id))
+            continue
+        dataset.line_numbers[sample.id] = number
+        dataset.samples.append(sample)
+    return dataset
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            for number, text in enumerate(f, start=1):
+                if text.strip():
+                    yield number, text
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read the dataset {path}: {exc}") from exc
+
+
+class _LineParser:
+    def __init__(self, path: Path, limits: InputLimits, tokenizer: Any):
+        self.path = path
+        self.limits = limits
+        self.tokenizer = tokenizer
+
+    def error(self, number: int, reason: str, sample_id: str | None = None) -> InputError:
+        return InputError(f"{self.path}:{number}: {reason}", sample_id=sample_id)
+
+    def parse(self, number: int, text: str) -> Sample:
+        try:
+            record = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise self.error(number, f"not valid JSON ({exc.msg} at column {exc.colno})") from exc
+        if not isinstance(record, dict):
+            raise self.error(number, f"expected a JSON object, found {type(record).__name__}")
+        sample_id = self._id(number, record)
+        try:
+            ids = self._input_ids(record)
+            self._check_ids(ids)
+            return Sample(sample_id, ids, record.get("loss_mask"))
+        except (InputError, ValueError, TypeError) as exc:
+            reason = str(exc).split("] ", 1)[-1]  # drop the context prefix: we add the line
+            raise self.error(number, reason, sample_id) from exc
+
+    def _id(self, number: int, record: dict[str, Any]) -> str:
+        value = record.get("id")
+        if isinstance(value, int) and not isinstance(value, bool):
+            return str(value)
+        if not isinstance(value, str) or not value:
+            raise self.error(number, 'no "id": every line needs a unique non-empty string "id"')
+        return value
+
+    def _input_ids(self, record: dict[str, Any]) -> list[int]:
+        if "input_ids" in record:
+            ids = record["input_ids"]
+            if not isinstance(ids, list) or not ids:
+                raise InputError('"input_ids" must be a non-empty list of token ids')
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0]
+            if bad:
+                raise InputError(f'"input_ids" holds {bad[0]!r}: ids are non-negative integers')
+            return ids
+        if "text" not in record and "messages" not in record:
+            raise InputError('no "input_ids" (nor "text" or "messages" with a tokenizer)')
+        if self.tokenizer is None:
+            raise InputError('has "text"/"messages" but no tokenizer: pass --tokenizer DIR')
+        return self._tokenize(record)
+
+    def _tokenize(self, record: dict[str, Any]) -> list[int]:
+        if "text" in record:
+            return list(self.tokenizer(record["text"], add_special_tokens=True)["input_ids"])
+        ids = self.tokenizer.apply_chat_template(record["messages"], tokenize=True)
+        if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def _check_ids(self, ids: list[int]) -> None:
+        vocab, longest = self.limits.vocab_size, self.limits.max_tokens
+        if vocab is not None and max(ids) >= vocab:
+            position = next(i for i, t in enumerate(ids) if t >= vocab)
+            raise InputError(
+                f"token id {ids[position]} at position {position} is outside the model's "
+                f"vocabulary [0, {vocab}): was it tokenized for another model?"
+            )
+        if longest is not None and len(ids) > longest:
+            raise InputError(
+                f"{len(ids)} tokens, longer than the server's context of {longest} tokens: "
+                "split or truncate the sample"
+            )
