@@ -1,0 +1,414 @@
+"""HiddenStateClient: send a sample to the server, observe its dump, verify it, load it.
+
+A request's dump is found by the request id the client chose, never by order or by a counter. The
+response and the dump may arrive in either order; both are checked against the sample before any
+tensor is handed out.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import httpx
+
+from hsdump._budget import ByteBudget, default_budget_bytes
+from hsdump._exceptions import (
+    ConfigError,
+    DumpTimeout,
+    HsdumpError,
+    InputError,
+    ServerConfigError,
+    ServerNotDumping,
+    ServerResponseError,
+    ServerTimeout,
+    ServerUnavailable,
+)
+from hsdump._janitor import ClientLease, remove_stale
+from hsdump._loading import load_dump
+from hsdump._protocol import (
+    DEFAULT_RID_PREFIX,
+    ProducerManifest,
+    default_dump_dir,
+    dtype_itemsize,
+    read_manifests,
+    remove_dump,
+    request_dir,
+)
+from hsdump._validate import Expected, check_response
+from hsdump._watcher import DumpWatcher, default_watcher
+
+if TYPE_CHECKING:
+    from hsdump._types import HiddenStates, Sample
+
+__all__ = ["ClientStats", "HiddenStateClient"]
+
+logger = logging.getLogger(__name__)
+
+
+class _State(enum.Enum):
+    UNOPENED = "unopened"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+@dataclass
+class ClientStats:
+    """Where the time of :meth:`HiddenStateClient.extract` went, summed over requests.
+
+    Attributes:
+        requests: Completed extractions.
+        tokens: Tokens extracted.
+        bytes: Hidden-state bytes loaded.
+        server_s: Sending the request until the HTTP response.
+        dump_wait_s: The response until the dump was visible (0 when the dump came first).
+        ingest_s: Reading, validating and loading the dump.
+    """
+
+    requests: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    server_s: float = 0.0
+    dump_wait_s: float = 0.0
+    ingest_s: float = 0.0
+    failures: dict[str, int] = field(default_factory=dict)
+
+
+class HiddenStateClient:
+    """Extracts hidden states from a server that dumps them (SGLang with hsdump's plugin, or the
+    reference server).
+
+    Example::
+
+        async with HiddenStateClient("http://127.0.0.1:30000", dump_dir="/dev/shm/hsdump") as client:
+            states = await client.extract(Sample(id="s1", input_ids=[1, 2, 3]))
+
+    Args:
+        base_url: The server's base URL.
+        dump_dir: The dump root the server writes to (default: ``$HSDUMP_DUMP_DIR`` or
+            ``/dev/shm/hsdump``).
+        max_in_flight: Requests at the server at once (1: one at a time, through a lock).
+        request_timeout: Seconds to wait for the HTTP response.
+        dump_timeout: Seconds to wait for the dump once the response has arrived.
+        watcher: A :class:`DumpWatcher`, or "inotify"/"poll" (default: inotify on Linux).
+        expected_layer_ids: Refuse dumps of other aux layers (default: learnt from the first dump).
+        dump_budget_bytes: Most bytes of requested-but-not-ingested dumps (default: half of the
+            free space of the dump root's filesystem).
+        rid_prefix: The opt-in prefix the producer dumps (must match the server's setting).
+        stale_after: Age in seconds after which orphaned dumps of unknown owners are removed.
+        http_client: An ``httpx.AsyncClient`` to use instead of a private one (not closed here).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        dump_dir: str | os.PathLike[str] | None = None,
+        max_in_flight: int = 1,
+        request_timeout: float = 600.0,
+        dump_timeout: float = 60.0,
+        watcher: DumpWatcher | str | None = None,
+        expected_layer_ids: list[int] | None = None,
+        dump_budget_bytes: int | None = None,
+        rid_prefix: str = DEFAULT_RID_PREFIX,
+        stale_after: float = 3600.0,
+        http_client: httpx.AsyncClient | None = None,
+    ):
+        if max_in_flight < 1:
+            raise ConfigError(f"max_in_flight must be at least 1, got {max_in_flight}")
+        self.base_url = base_url.rstrip("/")
+        self.dump_dir = Path(dump_dir) if dump_dir is not None else default_dump_dir()
+        self.max_in_flight = max_in_flight
+        self.request_timeout = request_timeout
+        self.dump_timeout = dump_timeout
+        self.rid_prefix = rid_prefix
+        self.stale_after = stale_after
+        self.stats = ClientStats()
+        self.server_info: dict[str, Any] = {}
+        self.manifest: ProducerManifest | None = None
+        self._watcher_arg = watcher
+        self._budget_arg = dump_budget_bytes
+        self._expected = Expected(layer_ids=expected_layer_ids)
+        self._http = http_client
+        self._own_http = http_client is None
+        self._gate: anyio.Lock | anyio.Semaphore = (
+            anyio.Lock() if max_in_flight == 1 else anyio.Semaphore(max_in_flight)
+        )
+        self._abandoned: set[str] = set()
+        self._state = _State.UNOPENED
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def __aenter__(self) -> HiddenStateClient:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def open(self) -> None:
+        """Check the server and the dump root, and take a client id (``async with`` does this)."""
+        if self._state is not _State.UNOPENED:
+            raise ConfigError(f"this client is {self._state.value}; create a new one")
+        self.manifest = self._live_manifest()
+        if self._http is None:
+            self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self.request_timeout)
+        try:
+            self.server_info = await self._fetch_server_info()
+            check_server_settings(self.server_info, self.manifest, self.base_url)
+        except BaseException:
+            await self._close_http()
+            raise
+        self._lease = ClientLease(self.dump_dir, self.rid_prefix)
+        remove_stale(self.dump_dir, rid_prefix=self.rid_prefix, stale_after=self.stale_after)
+        self._watcher = self._make_watcher()
+        limit = self._budget_arg or default_budget_bytes(self.dump_dir)
+        self.budget = ByteBudget(limit)
+        self._state = _State.OPEN
+
+    async def aclose(self) -> None:
+        """Release the watcher, the HTTP client and the client id; remove abandoned dumps."""
+        if self._state is not _State.OPEN:
+            self._state = _State.CLOSED
+            return
+        self._state = _State.CLOSED
+        self._sweep_abandoned()
+        await self._watcher.aclose()
+        await self._close_http()
+        self._lease.release()
+
+    async def _close_http(self) -> None:
+        if self._own_http and self._http is not None:
+            await self._http.aclose()
+
+    def _make_watcher(self) -> DumpWatcher:
+        if self._watcher_arg is None or isinstance(self._watcher_arg, str):
+            return default_watcher(self.dump_dir, self._watcher_arg)
+        return self._watcher_arg
+
+    def _live_manifest(self) -> ProducerManifest:
+        manifests = read_manifests(self.dump_dir)
+        live = [m for m in manifests if m.is_alive()]
+        if not live:
+            pids = ", ".join(f"{m.producer.name} pid {m.pid}" for m in manifests)
+            raise ServerNotDumping(
+                f"the producers that announced themselves in {self.dump_dir} ({pids}) have exited: "
+                "no server is dumping there. Restart the server with dumping enabled."
+            )
+        return live[0]
+
+    async def _fetch_server_info(self) -> dict[str, Any]:
+        for path in ("/server_info", "/get_server_info"):
+            response = await self._get(path)
+            if response.status_code == 404:
+                continue
+            if response.status_code >= 400:
+                raise ServerResponseError(
+                    f"GET {self.base_url}{path} answered {response.status_code}",
+                    status_code=response.status_code,
+                )
+            return _json(response, f"GET {path}")
+        logger.warning("%s exposes no server_info: its settings cannot be checked", self.base_url)
+        return {}
+
+    async def _get(self, path: str) -> httpx.Response:
+        assert self._http is not None
+        try:
+            return await self._http.get(path)
+        except httpx.TimeoutException as exc:
+            raise ServerTimeout(f"GET {self.base_url}{path} timed out") from exc
+        except httpx.TransportError as exc:
+            raise ServerUnavailable(
+                f"cannot reach the server at {self.base_url} ({exc!r}). Is it running?"
+            ) from exc
+
+    # -- extraction --------------------------------------------------------------------------
+
+    async def extract(self, sample: Sample) -> HiddenStates:
+        """Run ``sample`` through the server and return its verified hidden states.
+
+        One attempt with a fresh request id; errors are :class:`HsdumpError` subclasses whose
+        ``transient`` attribute says whether a retry may succeed.
+        """
+        if self._state is not _State.OPEN:
+            raise ConfigError(f"this client is {self._state.value}: use it inside `async with`")
+        self._check_length(sample)
+        self._sweep_abandoned()
+        nbytes = len(sample.input_ids) * self._row_bytes()
+        await self.budget.acquire(nbytes)
+        try:
+            return await self._extract_once(sample)
+        except HsdumpError as exc:
+            name = type(exc).__name__
+            self.stats.failures[name] = self.stats.failures.get(name, 0) + 1
+            raise
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.budget.release(nbytes)
+
+    async def _extract_once(self, sample: Sample) -> HiddenStates:
+        async with self._gate:
+            rid = self._lease.new_rid()
+            path = None
+            try:
+                path = await self._request(sample, rid)
+            finally:
+                if path is None:
+                    self._abandon(rid)
+        started = time.perf_counter()
+        states = await anyio.to_thread.run_sync(self._ingest, sample, rid, path)
+        self._account(states, time.perf_counter() - started)
+        return states
+
+    def _ingest(self, sample: Sample, rid: str, path: Path) -> HiddenStates:
+        try:
+            return load_dump(path, sample=sample, rid=rid, expected=self._expected)
+        finally:
+            remove_dump(path)
+
+    def _account(self, states: HiddenStates, ingest_s: float) -> None:
+        self.stats.requests += 1
+        self.stats.tokens += states.num_tokens
+        self.stats.bytes += states.nbytes
+        self.stats.ingest_s += ingest_s
+
+    async def _request(self, sample: Sample, rid: str) -> Path:
+        """Send the request and wait for both its response and its dump."""
+        found: dict[str, Path] = {}
+        dump_seen = anyio.Event()
+        error: BaseException | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._wait_for_dump, rid, found, dump_seen)
+            try:
+                await self._send(sample, rid)
+                waited = time.perf_counter()
+                with anyio.fail_after(self.dump_timeout):
+                    await dump_seen.wait()
+                self.stats.dump_wait_s += time.perf_counter() - waited
+            except TimeoutError:
+                error = DumpTimeout(
+                    f"the server answered, but no dump appeared in {request_dir(self.dump_dir, rid)}"
+                    f" within {self.dump_timeout:g} s. Is the server dumping into this directory "
+                    f"(HSDUMP_DUMP_DIR) with the rid prefix {self.rid_prefix!r}?",
+                    sample_id=sample.id,
+                    rid=rid,
+                )
+            except HsdumpError as exc:
+                error = exc
+            tg.cancel_scope.cancel()
+        if error is not None:
+            raise error
+        return found["path"]
+
+    async def _wait_for_dump(self, rid: str, found: dict[str, Path], seen: anyio.Event) -> None:
+        # The overall deadline is the caller's; this bound only keeps a lost wait from living on.
+        try:
+            found["path"] = await self._watcher.wait(rid, self.request_timeout + self.dump_timeout)
+        except DumpTimeout:
+            return
+        seen.set()
+
+    async def _send(self, sample: Sample, rid: str) -> None:
+        assert self._http is not None
+        body = {
+            "rid": rid,
+            "input_ids": list(sample.input_ids),
+            "sampling_params": {"max_new_tokens": 0, "temperature": 0.0},
+            "extra_key": uuid.uuid4().hex,  # no prefix-cache hit can shorten the capture
+            "stream": False,
+        }
+        started = time.perf_counter()
+        try:
+            response = await self._http.post("/generate", json=body)
+        except httpx.TimeoutException as exc:
+            raise ServerTimeout(
+                f"no response within {self.request_timeout:g} s", sample_id=sample.id, rid=rid
+            ) from exc
+        except httpx.TransportError as exc:
+            raise ServerUnavailable(
+                f"the connection to {self.base_url} failed: {exc!r}", sample_id=sample.id, rid=rid
+            ) from exc
+        self.stats.server_s += time.perf_counter() - started
+        if response.status_code >= 400:
+            raise ServerResponseError(
+                f"the server answered {response.status_code}: {response.text[:300]}",
+                status_code=response.status_code,
+                sample_id=sample.id,
+                rid=rid,
+            )
+        body = _json(response, "POST /generate", sample_id=sample.id, rid=rid)
+        check_response(body, rid=rid, num_tokens=len(sample.input_ids), sample_id=sample.id)
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    @property
+    def max_input_len(self) -> int | None:
+        """The longest prompt the server accepts, when it says."""
+        value = self.server_info.get("max_req_input_len")
+        if value is None:
+            states = self.server_info.get("internal_states") or [{}]
+            value = states[0].get("max_req_input_len") if isinstance(states[0], dict) else None
+        return int(value) if value else None
+
+    def _check_length(self, sample: Sample) -> None:
+        limit = self.max_input_len
+        if limit is not None and len(sample.input_ids) > limit:
+            raise InputError(
+                f"the sample has {len(sample.input_ids)} tokens, the server accepts at most "
+                f"{limit}: split or drop it, or raise the server's --context-length",
+                sample_id=sample.id,
+            )
+
+    def _row_bytes(self) -> int:
+        m = self.manifest
+        assert m is not None
+        return (len(m.layer_ids) + 1) * m.hidden_size * dtype_itemsize(m.dtype)
+
+    def _abandon(self, rid: str) -> None:
+        path = request_dir(self.dump_dir, rid)
+        remove_dump(path)
+        if not path.exists():
+            self._abandoned.add(rid)  # it may still be published later: remove it then
+
+    def _sweep_abandoned(self) -> None:
+        for rid in list(self._abandoned):
+            path = request_dir(self.dump_dir, rid)
+            if path.exists():
+                remove_dump(path)
+                self._abandoned.discard(rid)
+
+
+def _json(response: httpx.Response, what: str, **context: Any) -> Any:
+    try:
+        return response.json()
+    except ValueError as exc:
+        raise ServerResponseError(
+            f"{what} did not return JSON: {response.text[:200]!r}",
+            status_code=response.status_code,
+            **context,
+        ) from exc
+
+
+def check_server_settings(info: dict[str, Any], manifest: ProducerManifest, url: str) -> None:
+    """Refuse server settings under which captures would be truncated."""
+    caps = manifest.capabilities
+    if info.get("disable_radix_cache") is False and not caps.prefix_cache_guard:
+        raise ServerConfigError(
+            f"the server at {url} runs with the radix (prefix) cache on and its producer "
+            f"({manifest.producer.name}) cannot detect cached prefixes, so captures could be "
+            "short. Restart it with --disable-radix-cache."
+        )
+    chunk = info.get("chunked_prefill_size")
+    if isinstance(chunk, int) and chunk > 0 and not caps.chunked_prefill_assembly:
+        raise ServerConfigError(
+            f"the server at {url} runs with --chunked-prefill-size {chunk} and its producer "
+            f"({manifest.producer.name}) cannot assemble chunks, so long prompts would lose rows. "
+            "Restart it with --chunked-prefill-size -1."
+        )

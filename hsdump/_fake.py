@@ -1,0 +1,302 @@
+"""A fake patched server for tests: real HTTP, real dump files, deterministic states, faults on demand.
+
+Public through :mod:`hsdump.testing`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from hsdump._httpserver import (
+    DropConnection,
+    GenerateRequest,
+    RequestRejected,
+    SGLangCompatibleServer,
+    prefill_response,
+)
+from hsdump._protocol import (
+    DEFAULT_RID_PREFIX,
+    Capabilities,
+    DumpMeta,
+    ProducerInfo,
+    ProducerManifest,
+    is_opted_in,
+    write_dump,
+    write_error,
+    write_manifest,
+)
+
+__all__ = ["FakeServer", "Fault", "FaultKind", "fake_states"]
+
+FaultKind = Literal[
+    "none",
+    "http_500",
+    "http_400",
+    "drop_connection",
+    "no_dump",
+    "error_marker",
+    "wrong_token_count",
+    "wrong_token_ids",
+    "wrong_layers",
+    "nan",
+    "zero_row",
+    "response_rid",
+    "cached_tokens",
+    "dump_first",
+    "response_first",
+]
+PRODUCER = ProducerInfo(name="hsdump-fake", version="1")
+
+
+@dataclass(frozen=True)
+class Fault:
+    """How the fake misbehaves for one opted-in request.
+
+    Args:
+        kind: What goes wrong (``dump_first``/``response_first`` only reorder, with ``delay``).
+        delay: Seconds between the first and the second of response and dump.
+    """
+
+    kind: FaultKind = "none"
+    delay: float = 0.05
+
+
+def fake_states(
+    input_ids: Sequence[int], layer_ids: Sequence[int], hidden_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Deterministic bf16 states (as uint16 bits) that depend on each token and its position.
+
+    Returns ``aux [T, K, H]`` and ``final [T, H]``; two samples with different tokens differ.
+    """
+    ids = np.asarray(input_ids, dtype=np.float32)[:, None, None]
+    pos = np.arange(len(input_ids), dtype=np.float32)[:, None, None]
+    layers = np.asarray([*layer_ids, -1], dtype=np.float32)[None, :, None]
+    h = np.arange(hidden_size, dtype=np.float32)[None, None, :]
+    values = np.sin(ids * 0.731 + pos * 0.0173 + layers * 1.37 + h * 0.21) * 2.0 + 0.01
+    bits = _to_bf16_bits(values)
+    return np.ascontiguousarray(bits[:, :-1]), np.ascontiguousarray(bits[:, -1])
+
+
+def _to_bf16_bits(values: np.ndarray) -> np.ndarray:
+    u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
+
+
+class FakeEngine:
+    """The engine behind :class:`FakeServer` (see there)."""
+
+    def __init__(
+        self,
+        dump_dir: Path,
+        *,
+        layer_ids: Sequence[int],
+        hidden_size: int,
+        latency: float,
+        server_info: dict[str, Any],
+        fault_for: Callable[[str, list[int]], Fault | None] | None,
+    ):
+        self.dump_dir = dump_dir
+        self.layer_ids = list(layer_ids)
+        self.hidden_size = hidden_size
+        self.latency = latency
+        self.info = server_info
+        self.fault_for = fault_for
+        self.faults: deque[Fault] = deque()
+        self.received: list[GenerateRequest] = []
+        self.dumped: list[str] = []
+        self._background: set[asyncio.Task[None]] = set()
+
+    def server_info(self) -> dict[str, Any]:
+        """See :class:`hsdump._httpserver.Engine`."""
+        return self.info
+
+    def model_info(self) -> dict[str, Any]:
+        """See :class:`hsdump._httpserver.Engine`."""
+        return {"model_path": "fake", "is_generation": True}
+
+    async def generate(self, request: GenerateRequest) -> dict[str, Any]:
+        """See :class:`hsdump._httpserver.Engine`."""
+        started = time.perf_counter()
+        self.received.append(request)
+        rid, ids = request.rid or "anonymous", list(request.input_ids or [])
+        fault = self._next_fault(rid, ids) if is_opted_in(rid) else Fault()
+        await asyncio.sleep(self.latency)
+        self._raise_http_fault(fault)
+        response = prefill_response(rid, len(ids), started)
+        _corrupt_response(response, fault)
+        if not is_opted_in(rid) or fault.kind == "no_dump":
+            return response
+        if fault.kind == "response_first":
+            self._later(fault.delay, rid, ids, fault)
+            return response
+        await asyncio.to_thread(self.dump, rid, ids, fault)
+        if fault.kind == "dump_first":
+            await asyncio.sleep(fault.delay)
+        return response
+
+    def _next_fault(self, rid: str, ids: list[int]) -> Fault:
+        if self.faults:
+            return self.faults.popleft()
+        return (self.fault_for and self.fault_for(rid, ids)) or Fault()
+
+    @staticmethod
+    def _raise_http_fault(fault: Fault) -> None:
+        if fault.kind == "http_500":
+            raise RequestRejected(500, "injected internal error")
+        if fault.kind == "http_400":
+            raise RequestRejected(400, "injected bad request")
+        if fault.kind == "drop_connection":
+            raise DropConnection()
+
+    def _later(self, delay: float, rid: str, ids: list[int], fault: Fault) -> None:
+        async def dump_later() -> None:
+            await asyncio.sleep(delay)
+            await asyncio.to_thread(self.dump, rid, ids, fault)
+
+        task = asyncio.get_running_loop().create_task(dump_later())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def dump(self, rid: str, ids: list[int], fault: Fault = Fault()) -> Path:  # noqa: B008
+        """Write the dump of request ``rid`` for ``ids``, applying ``fault``."""
+        if fault.kind == "error_marker":
+            return write_error(self.dump_dir, rid, "injected capture failure", PRODUCER)
+        dumped_ids = _corrupt_ids(ids, fault)
+        layers = [i + 1 for i in self.layer_ids] if fault.kind == "wrong_layers" else self.layer_ids
+        aux, final = fake_states(dumped_ids, layers, self.hidden_size)
+        _corrupt_values(aux, fault)
+        t, k, h = aux.shape
+        meta = DumpMeta(
+            rid=rid,
+            input_ids=dumped_ids,
+            num_tokens=t,
+            layer_ids=layers,
+            final_norm="post_norm",
+            hidden_size=h,
+            dtype="bfloat16",
+            aux_shape=(t, k, h),
+            final_shape=(t, h),
+            producer=PRODUCER,
+            model_path="fake",
+        )
+        path = write_dump(self.dump_dir, meta, aux, final)
+        self.dumped.append(rid)
+        return path
+
+
+def _corrupt_response(response: dict[str, Any], fault: Fault) -> None:
+    if fault.kind == "response_rid":
+        response["meta_info"]["id"] = "hsdump-someone-else"
+    elif fault.kind == "cached_tokens":
+        response["meta_info"]["cached_tokens"] = 2
+
+
+def _corrupt_ids(ids: list[int], fault: Fault) -> list[int]:
+    if fault.kind == "wrong_token_count":
+        return ids[:-1] or [0, 0]
+    if fault.kind == "wrong_token_ids":
+        return [ids[0] + 1, *ids[1:]]
+    return ids
+
+
+def _corrupt_values(aux: np.ndarray, fault: Fault) -> None:
+    if fault.kind == "nan":
+        aux[-1, 0, 0] = 0x7FC0  # bf16 quiet NaN
+    elif fault.kind == "zero_row":
+        aux[0, -1, :] = 0
+
+
+class FakeServer(SGLangCompatibleServer):
+    """An SGLang stand-in that dumps through the real protocol, for tests (yours and ours).
+
+    It dumps only opted-in requests (rid prefix ``hsdump-``), like the real plugin, writes a
+    producer manifest while running, and misbehaves on demand::
+
+        with FakeServer(tmp_path) as server:
+            server.inject(Fault("nan"))              # the next opted-in request
+            ...  # HiddenStateClient(server.url, dump_dir=tmp_path)
+
+    Args:
+        dump_dir: The dump root.
+        layer_ids: Aux layer ids to report.
+        hidden_size: H.
+        latency: Seconds each request takes before answering (a stand-in for prefill time).
+        server_info: Overrides of the ``/server_info`` body.
+        capabilities: The manifest's capabilities.
+        announce: Write the producer manifest (False: look like a server that is not dumping).
+        fault_for: Called with (rid, input_ids) of each opted-in request without a queued fault.
+    """
+
+    def __init__(
+        self,
+        dump_dir: str | Path,
+        *,
+        layer_ids: Sequence[int] = (2, 4, 6),
+        hidden_size: int = 32,
+        latency: float = 0.0,
+        server_info: dict[str, Any] | None = None,
+        capabilities: Capabilities | None = None,
+        announce: bool = True,
+        fault_for: Callable[[str, list[int]], Fault | None] | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ):
+        info = {"disable_radix_cache": True, "chunked_prefill_size": -1, "version": "fake"}
+        info.update(server_info or {})
+        self.dump_dir = Path(dump_dir)
+        self.capabilities = capabilities or Capabilities(
+            chunked_prefill_assembly=False, prefix_cache_guard=False
+        )
+        self.announce = announce
+        self.engine: FakeEngine = FakeEngine(
+            self.dump_dir,
+            layer_ids=layer_ids,
+            hidden_size=hidden_size,
+            latency=latency,
+            server_info=info,
+            fault_for=fault_for,
+        )
+        self._manifest_path: Path | None = None
+        super().__init__(self.engine, host=host, port=port)
+
+    def inject(self, *faults: Fault) -> None:
+        """Queue faults for the next opted-in requests, in order."""
+        self.engine.faults.extend(faults)
+
+    @property
+    def received(self) -> list[GenerateRequest]:
+        """Every ``/generate`` body received, in order."""
+        return self.engine.received
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Announce the producer and start serving."""
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        if self.announce:
+            manifest = ProducerManifest(
+                producer=PRODUCER,
+                rid_prefix=DEFAULT_RID_PREFIX,
+                layer_ids=self.engine.layer_ids,
+                final_norm="post_norm",
+                hidden_size=self.engine.hidden_size,
+                dtype="bfloat16",
+                model_path="fake",
+                capabilities=self.capabilities,
+            )
+            self._manifest_path = write_manifest(self.dump_dir, manifest)
+        super().start(timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop serving and withdraw the manifest."""
+        super().stop(timeout)
+        if self._manifest_path is not None:
+            with contextlib.suppress(OSError):
+                self._manifest_path.unlink()

@@ -1,0 +1,52 @@
+"""Turning a published dump into verified :class:`~hsdump.HiddenStates` (torch tensors)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hsdump._protocol import read_dump
+from hsdump._types import HiddenStates
+from hsdump._validate import Expected, copy_checked, validate_meta
+
+if TYPE_CHECKING:
+    import torch
+
+    from hsdump._types import Sample
+
+__all__ = ["load_dump", "to_torch"]
+
+
+def to_torch(array: np.ndarray, dtype: str) -> torch.Tensor:
+    """View an array as a torch tensor of protocol dtype ``dtype`` without copying.
+
+    bf16 arrives as ``uint16`` bits (numpy has no bfloat16) and is reinterpreted in place.
+    """
+    import torch
+
+    tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
+
+
+def load_dump(path: Path, *, sample: Sample, rid: str, expected: Expected) -> HiddenStates:
+    """Read the dump at ``path``, check it belongs to ``sample`` (sent as ``rid``), and load it."""
+    import torch
+
+    dump = read_dump(path, sample_id=sample.id)
+    validate_meta(dump, rid=rid, input_ids=sample.input_ids, sample_id=sample.id, expected=expected)
+    meta = dump.meta
+    context = {"sample_id": sample.id, "rid": rid}
+    aux = copy_checked(dump.aux, meta.dtype, "aux_hidden_states", **context)
+    final = copy_checked(dump.final, meta.dtype, "final_hidden_state", **context)
+    mask = None if sample.loss_mask is None else torch.tensor(sample.loss_mask, dtype=torch.uint8)
+    return HiddenStates(
+        sample_id=sample.id,
+        input_ids=torch.tensor(meta.input_ids, dtype=torch.int64),
+        aux_hidden_states=to_torch(aux, meta.dtype),
+        final_hidden_state=to_torch(final, meta.dtype),
+        layer_ids=list(meta.layer_ids),
+        loss_mask=mask,
+        meta=meta,
+    )

@@ -1,0 +1,371 @@
+"""One writer's part of a store: a ragged, sharded token axis, an index and a commit counter.
+
+Layout of ``part-<writer_id>/``::
+
+    zarr.json            attributes["hsdump_part"]: PartState, rewritten atomically = the commit point
+    hidden     [tokens, K+1, H]  float bits (uint16 for bf16); rows of one sample are contiguous,
+                                 each sample starts on an inner-chunk boundary; K aux layers, then final
+    input_ids  [tokens]          int32
+    loss_mask  [tokens]          uint8
+    index/rows      [n, 4] int64 offset, length, has_mask, crc32 of the sample's stored bytes
+    index/sample_id [n]    str
+
+Samples are gathered in an in-RAM shard buffer and a shard is written once it is full (appending to
+an existing shard would make zarr read and rewrite it whole). A sample is committed when all of its
+rows are on disk: its index row is written, then the counter in ``zarr.json``. ``flush()`` writes the
+partial shard too. On resume the committed head of the open shard is reloaded into the buffer, or
+the next full-shard write would zero it.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from hsdump._codecs import bits_dtype, hidden_compressors, small_compressors
+from hsdump._provenance import Provenance
+from hsdump._stats import LayerStats, merge_layer_lists
+
+if TYPE_CHECKING:
+    import zarr
+
+__all__ = ["PART_PREFIX", "PartIndex", "PartLayout", "PartState", "PartWriter", "load_part_index"]
+
+logger = logging.getLogger(__name__)
+
+PART_PREFIX = "part-"
+STATE_KEY = "hsdump_part"
+_SHARDS_PER_GROW = 64  # capacity grows a fixed step, so few metadata rewrites and few stray shards
+_IDS_CHUNK_SHARDS = 16
+_INDEX_CHUNK = 16384
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class PartLayout(_Frozen):
+    """Array geometry of a part, fixed by its first sample."""
+
+    layers: int
+    hidden_size: int
+    dtype: str
+    chunk_tokens: int
+    shard_tokens: int
+    compression: str
+
+
+class PartState(_Frozen):
+    """The committed state of a part (its ``zarr.json`` attribute ``hsdump_part``)."""
+
+    format: Literal["hsdump-part"] = "hsdump-part"
+    version: Literal[1] = 1
+    writer_id: str
+    n_committed: int = 0
+    num_tokens: int = 0
+    bytes_raw: int = 0
+    bytes_stored: int = 0
+    open_shard: int = -1
+    open_shard_bytes: int = 0
+    layout: PartLayout | None = None
+    provenance: Provenance | None = None
+    stats: list[LayerStats] = []
+
+
+@dataclass
+class PartIndex:
+    """The committed rows of one part, held in RAM."""
+
+    name: str
+    state: PartState
+    sample_ids: list[str] = field(default_factory=list)
+    rows: np.ndarray = field(default_factory=lambda: np.zeros((0, 4), np.int64))
+
+
+def load_part_index(group: zarr.Group, name: str) -> PartIndex:
+    """Read a part's committed state and index rows (rows past the counter are never read)."""
+    state = PartState.model_validate(group.attrs[STATE_KEY])
+    n = state.n_committed
+    if not n:
+        return PartIndex(name, state)
+    rows = np.asarray(group["index/rows"][:n], dtype=np.int64)
+    sids = [str(s) for s in group["index/sample_id"][:n].tolist()]
+    return PartIndex(name, state, sids, rows)
+
+
+@dataclass
+class _Pending:
+    sample_id: str
+    offset: int
+    length: int
+    has_mask: int
+    crc: int
+    raw_bytes: int
+    stats: list[LayerStats]
+
+
+class PartWriter:
+    """Appends samples to one part. Not thread-safe: the store serialises calls."""
+
+    def __init__(self, group: zarr.Group, index: PartIndex, *, on_commit: Any) -> None:
+        self.group = group
+        self.index = index
+        self._on_commit = on_commit
+        self._pending: list[_Pending] = []
+        self.pending_ids: set[str] = set()
+        self._pending_provenance: Provenance | None = None
+        self._buf_start: int | None = None
+        self._next = 0
+        self._flushed_to = 0
+        self._arrays: dict[str, Any] = {}
+        if index.state.layout is not None:
+            self._open_arrays(index.state.layout)
+            self._resume(index.state.layout)
+
+    @property
+    def state(self) -> PartState:
+        """The last committed state."""
+        return self.index.state
+
+    @property
+    def provenance(self) -> Provenance | None:
+        """The part's provenance, committed or set by a sample still in the buffer."""
+        return self.state.provenance or self._pending_provenance
+
+    def set_layout(self, layout: PartLayout, provenance: Provenance) -> None:
+        """Create the arrays for the first sample's geometry."""
+        self._pending_provenance = provenance
+        if self.state.layout is None:
+            self._create_arrays(layout)
+            self.index.state = self.state.model_copy(update={"layout": layout})
+
+    # -- adding samples ------------------------------------------------------------------------
+
+    def add(
+        self,
+        sample_id: str,
+        aux: np.ndarray,
+        final: np.ndarray,
+        ids: np.ndarray,
+        mask: np.ndarray | None,
+        stats: list[LayerStats],
+    ) -> None:
+        """Place one sample in the shard buffer; commit whatever is now fully on disk."""
+        offset, length = self._next, aux.shape[0]
+        crc = self._place(aux, final, ids, mask)
+        crc = zlib.crc32(ids, crc)
+        if mask is not None:
+            crc = zlib.crc32(mask, crc)
+        raw = aux.nbytes + final.nbytes
+        self._pending.append(_Pending(sample_id, offset, length, int(mask is not None), crc, raw, stats))
+        self.pending_ids.add(sample_id)
+        self._commit_ready()
+
+    def _place(self, aux: np.ndarray, final: np.ndarray, ids: np.ndarray, mask: np.ndarray | None) -> int:
+        layout = self._layout
+        shard, k_aux = layout.shard_tokens, aux.shape[1]
+        length, pos, crc = aux.shape[0], 0, 0
+        while pos < length:
+            cur = self._next + pos
+            start = self._open_buffer(cur)
+            row, take = cur - start, min(length - pos, start + shard - cur)
+            buf = self._buf
+            buf[row : row + take, :k_aux] = aux[pos : pos + take]
+            buf[row : row + take, k_aux] = final[pos : pos + take]
+            crc = zlib.crc32(buf[row : row + take], crc)
+            self._ids[row : row + take] = ids[pos : pos + take]
+            self._mask[row : row + take] = 1 if mask is None else mask[pos : pos + take]
+            pos += take
+            if row + take == shard:
+                self._flush_buffer(full=True)
+        self._pad_after(self._next + length)
+        return crc
+
+    def _pad_after(self, end: int) -> None:
+        ct = self._layout.chunk_tokens
+        padded = -(-end // ct) * ct
+        if padded > end and self._buf_start is not None:
+            # Padding rows are written as zeros (they compress to nothing) so no stale bytes remain.
+            row = end - self._buf_start
+            self._buf[row : row + padded - end] = 0
+            self._ids[row : row + padded - end] = 0
+            self._mask[row : row + padded - end] = 0
+            if padded - self._buf_start == self._layout.shard_tokens:
+                self._flush_buffer(full=True)
+        self._next = padded
+
+    def _open_buffer(self, cur: int) -> int:
+        layout = self._layout
+        if self._buf_start is None:
+            if not hasattr(self, "_buf"):
+                shape = (layout.shard_tokens, layout.layers, layout.hidden_size)
+                self._buf = np.empty(shape, bits_dtype(layout.dtype))
+                self._ids = np.empty(layout.shard_tokens, np.int32)
+                self._mask = np.empty(layout.shard_tokens, np.uint8)
+            self._buf_start = cur - cur % layout.shard_tokens
+        return self._buf_start
+
+    # -- writing and committing ----------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Write the partial shard and commit every buffered sample."""
+        if self._buf_start is not None and self._next > self._flushed_to:
+            self._flush_buffer(full=False)
+        self._commit_ready()
+
+    def _flush_buffer(self, *, full: bool) -> None:
+        start = self._buf_start
+        assert start is not None
+        end = start + self._layout.shard_tokens if full else self._next
+        self._ensure_capacity(end)
+        self._arrays["hidden"][start:end] = self._buf[: end - start]
+        self._arrays["input_ids"][start:end] = self._ids[: end - start]
+        self._arrays["loss_mask"][start:end] = self._mask[: end - start]
+        self._flushed_to = end
+        self._account_shard(start // self._layout.shard_tokens)
+        if full:
+            self._buf_start = None
+
+    def _account_shard(self, shard: int) -> None:
+        from zarr.core.sync import sync
+
+        hidden = self._arrays["hidden"]
+        key = f"{hidden.path}/{hidden.metadata.encode_chunk_key((shard, 0, 0))}"
+        size = sync(hidden.store.getsize(key))
+        state = self.state
+        stored = state.bytes_stored + size - (state.open_shard_bytes if shard == state.open_shard else 0)
+        self.index.state = state.model_copy(
+            update={"bytes_stored": stored, "open_shard": shard, "open_shard_bytes": size}
+        )
+
+    def _commit_ready(self) -> None:
+        ready = [p for p in self._pending if p.offset + p.length <= self._flushed_to]
+        if not ready:
+            return
+        n0, state = self.state.n_committed, self.state
+        n1 = n0 + len(ready)
+        rows = np.array([[p.offset, p.length, p.has_mask, p.crc] for p in ready], np.int64)
+        self._ensure_index_capacity(n1)
+        self._arrays["rows"][n0:n1] = rows
+        self._arrays["sample_id"][n0:n1] = np.array([p.sample_id for p in ready], dtype=object)
+        stats = state.stats
+        for p in ready:
+            stats = merge_layer_lists(stats, p.stats)
+        new_state = state.model_copy(
+            update={
+                "n_committed": n1,
+                "num_tokens": state.num_tokens + sum(p.length for p in ready),
+                "bytes_raw": state.bytes_raw + sum(p.raw_bytes for p in ready),
+                "provenance": state.provenance or self._pending_provenance,
+                "stats": stats,
+            }
+        )
+        # The commit point: one atomic rewrite of the part's zarr.json.
+        self.group.update_attributes({STATE_KEY: new_state.model_dump(mode="json")})
+        self.index.state = new_state
+        self.index.sample_ids.extend(p.sample_id for p in ready)
+        self.index.rows = np.concatenate([self.index.rows, rows])
+        self._pending = self._pending[len(ready) :]
+        self.pending_ids.difference_update(p.sample_id for p in ready)
+        self._on_commit(self.index, n0, n1)
+
+    # -- arrays ----------------------------------------------------------------------------------
+
+    @property
+    def _layout(self) -> PartLayout:
+        layout = self.state.layout
+        assert layout is not None
+        return layout
+
+    def _create_arrays(self, layout: PartLayout) -> None:
+        shard, tokens = layout.shard_tokens, layout.shard_tokens * _SHARDS_PER_GROW
+        row = (layout.layers, layout.hidden_size)
+        self.group.create_array(
+            "hidden",
+            shape=(tokens, *row),
+            chunks=(layout.chunk_tokens, *row),
+            shards=(shard, *row),
+            dtype=bits_dtype(layout.dtype),
+            fill_value=0,
+            compressors=hidden_compressors(layout.compression, bits_dtype(layout.dtype).itemsize),  # type: ignore[arg-type]
+            attributes={"logical_dtype": layout.dtype, "axes": ["token", "layer", "hidden"]},
+        )
+        small = {"chunks": (shard * _IDS_CHUNK_SHARDS,), "fill_value": 0, "compressors": small_compressors()}
+        self.group.create_array("input_ids", shape=(tokens,), dtype="int32", **small)
+        self.group.create_array("loss_mask", shape=(tokens,), dtype="uint8", **small)
+        idx = {"compressors": small_compressors()}
+        self.group.create_array("index/rows", shape=(_INDEX_CHUNK, 4), chunks=(_INDEX_CHUNK, 4), dtype="int64", fill_value=0, **idx)
+        self.group.create_array("index/sample_id", shape=(_INDEX_CHUNK,), chunks=(_INDEX_CHUNK,), dtype=str, **idx)
+        self._open_arrays(layout)
+
+    def _open_arrays(self, layout: PartLayout) -> None:
+        g = self.group
+        self._arrays = {
+            "hidden": g["hidden"],
+            "input_ids": g["input_ids"],
+            "loss_mask": g["loss_mask"],
+            "rows": g["index/rows"],
+            "sample_id": g["index/sample_id"],
+        }
+
+    def _ensure_capacity(self, end: int) -> None:
+        hidden = self._arrays["hidden"]
+        if hidden.shape[0] >= end:
+            return
+        step = self._layout.shard_tokens * _SHARDS_PER_GROW
+        cap = -(-end // step) * step
+        for name in ("hidden", "input_ids", "loss_mask"):
+            arr = self._arrays[name]
+            arr.resize((cap, *arr.shape[1:]))
+
+    def _ensure_index_capacity(self, n: int) -> None:
+        if self._arrays["rows"].shape[0] >= n:
+            return
+        cap = -(-n // _INDEX_CHUNK) * _INDEX_CHUNK
+        self._arrays["rows"].resize((cap, 4))
+        self._arrays["sample_id"].resize((cap,))
+
+    # -- resume ----------------------------------------------------------------------------------
+
+    def _resume(self, layout: PartLayout) -> None:
+        rows, ct, shard = self.index.rows, layout.chunk_tokens, layout.shard_tokens
+        end = int(rows[-1, 0] + rows[-1, 1]) if len(rows) else 0
+        self._next = self._flushed_to = -(-end // ct) * ct
+        head = self._next % shard
+        if head:
+            # The C2 lesson: the next write of this shard rewrites it whole, committed head included.
+            start = self._open_buffer(self._next)
+            self._buf[:head] = self._arrays["hidden"][start : self._next]
+            self._ids[:head] = self._arrays["input_ids"][start : self._next]
+            self._mask[:head] = self._arrays["loss_mask"][start : self._next]
+        self._drop_stray_chunks(-(-self._next // shard))
+
+    def _drop_stray_chunks(self, first_shard: int) -> None:
+        """Delete shards (and id/mask chunks) written after the last commit by a killed writer."""
+        from zarr.core.sync import sync
+
+        hidden = self._arrays["hidden"]
+        shard = self._layout.shard_tokens
+        dropped = 0
+        for i in range(first_shard, hidden.shape[0] // shard):
+            dropped += self._delete_chunk(hidden, (i, 0, 0), sync)
+        per_ids = shard * _IDS_CHUNK_SHARDS
+        for name in ("input_ids", "loss_mask"):
+            arr = self._arrays[name]
+            for i in range(-(-self._next // per_ids), arr.shape[0] // per_ids):
+                dropped += self._delete_chunk(arr, (i,), sync)
+        if dropped:
+            logger.info("part %s: removed %d chunk files past the last commit", self.index.name, dropped)
+
+    @staticmethod
+    def _delete_chunk(arr: Any, coords: tuple[int, ...], sync: Any) -> int:
+        key = f"{arr.path}/{arr.metadata.encode_chunk_key(coords)}"
+        if not sync(arr.store.exists(key)):
+            return 0
+        sync(arr.store.delete(key))
+        return 1

@@ -1,0 +1,358 @@
+"""The extraction loop: samples in, committed samples out, failures recorded, resumable.
+
+Used by ``hsdump extract`` and from Python. It skips samples the store already holds, retries
+transient failures with backoff (each retry is a fresh request: the client picks a new rid and
+cache key per call), records samples that keep failing in a JSONL failures file and goes on, and
+on cancellation (Ctrl-C) lets the store write in flight finish, so the store stays consistent and a
+rerun resumes where this one stopped.
+
+Workers pull samples from one shared iterator, so running ``concurrency`` of them keeps that many
+requests at the server; store writes are serialised and run off the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, Protocol
+
+import anyio
+import anyio.to_thread
+
+from hsdump._exceptions import ConfigError, HsdumpError, SampleExistsError
+
+if TYPE_CHECKING:
+    from hsdump._types import HiddenStates, Sample
+
+__all__ = [
+    "Backoff",
+    "ExtractionSummary",
+    "Extractor",
+    "Failure",
+    "SampleSink",
+    "failures_path_for",
+    "run_extraction",
+]
+
+logger = logging.getLogger(__name__)
+
+
+class Extractor(Protocol):
+    """What turns a sample into hidden states (a :class:`~hsdump.HiddenStateClient`)."""
+
+    async def extract(self, sample: Sample) -> HiddenStates:
+        """One attempt; raises :class:`HsdumpError` (with ``transient``) on failure."""
+        ...
+
+
+class SampleSink(Protocol):
+    """Where committed samples go (a hidden-state store)."""
+
+    def __contains__(self, sample_id: object) -> bool:
+        """Whether the sample is committed."""
+        ...
+
+    def write(self, states: HiddenStates) -> Any:
+        """Commit one sample atomically."""
+        ...
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with jitter between attempts of one sample.
+
+    Attributes:
+        initial: Seconds before the first retry.
+        factor: Growth per retry.
+        maximum: Upper bound of one delay.
+        jitter: Fraction of random spread, so retries of many samples do not arrive together.
+    """
+
+    initial: float = 0.5
+    factor: float = 2.0
+    maximum: float = 30.0
+    jitter: float = 0.1
+
+    def delay(self, retry: int) -> float:
+        """Seconds to wait before retry number ``retry`` (1-based)."""
+        base = min(self.initial * self.factor ** (retry - 1), self.maximum)
+        return base * (1 + self.jitter * (2 * random.random() - 1))
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A sample (or dataset line) that could not be extracted.
+
+    Attributes:
+        sample_id: The sample's ID, when known.
+        line: Its line number in the dataset, when known.
+        error: The error's class name.
+        message: The error's message.
+        attempts: How many requests were tried (0 for a bad dataset line).
+    """
+
+    sample_id: str | None
+    line: int | None
+    error: str
+    message: str
+    attempts: int
+
+    def to_json(self) -> str:
+        """One line of the failures file."""
+        record = {
+            "id": self.sample_id,
+            "line": self.line,
+            "error": self.error,
+            "message": self.message,
+            "attempts": self.attempts,
+        }
+        return json.dumps(record)
+
+
+@dataclass
+class ExtractionSummary:
+    """Live counters of a run; the progress callback receives it after each sample.
+
+    Attributes:
+        samples_total: Samples to extract in this run (committed ones excluded).
+        tokens_total: Their tokens.
+        skipped: Samples already in the store.
+        samples_done: Samples committed in this run.
+        tokens_done: Their tokens.
+        bytes_raw: Hidden-state bytes committed, before compression.
+        bytes_stored: Bytes the store wrote for them, when it reports them.
+        retries: Retries made.
+        failures: Samples and lines that failed.
+        interrupted: Whether the run was cancelled before its end.
+        started: ``time.monotonic()`` at the start.
+        finished: ``time.monotonic()`` at the end, or None while running.
+    """
+
+    samples_total: int = 0
+    tokens_total: int = 0
+    skipped: int = 0
+    samples_done: int = 0
+    tokens_done: int = 0
+    bytes_raw: int = 0
+    bytes_stored: int = 0
+    retries: int = 0
+    failures: list[Failure] = field(default_factory=list)
+    interrupted: bool = False
+    started: float = field(default_factory=time.monotonic)
+    finished: float | None = None
+
+    @property
+    def wall_s(self) -> float:
+        """Seconds since the start (until the end once finished)."""
+        return (self.finished or time.monotonic()) - self.started
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Tokens committed per second of wall time."""
+        return self.tokens_done / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def bytes_per_s(self) -> float:
+        """Raw hidden-state bytes committed per second."""
+        return self.bytes_raw / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def ratio(self) -> float:
+        """Compression ratio (raw / stored); NaN before anything is stored."""
+        return self.bytes_raw / self.bytes_stored if self.bytes_stored else math.nan
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the current token rate; None before the first sample."""
+        if not self.tokens_per_s:
+            return None
+        return max(self.tokens_total - self.tokens_done, 0) / self.tokens_per_s
+
+    @property
+    def ok(self) -> bool:
+        """True when the run finished with no failure."""
+        return not self.failures and not self.interrupted
+
+
+ProgressCallback = Callable[[ExtractionSummary], None]
+
+
+def failures_path_for(store_path: str | os.PathLike[str]) -> Path:
+    """The failures file beside a store: ``<store>.failures.jsonl``."""
+    path = Path(store_path)
+    return path.with_name(f"{path.name}.failures.jsonl")
+
+
+class _FailureLog:
+    """Appends failures to the JSONL file as they happen, so a killed run keeps them."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._file: IO[str] | None = None
+
+    def __enter__(self) -> _FailureLog:
+        if self.path is not None:
+            try:
+                self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - held for the run
+            except OSError as exc:
+                raise ConfigError(f"cannot write the failures file {self.path}: {exc}") from exc
+        return self
+
+    def record(self, failure: Failure) -> None:
+        if self._file is not None:
+            self._file.write(failure.to_json() + "\n")
+            self._file.flush()
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+class _Run:
+    def __init__(self, client: Extractor, store: SampleSink, **options: Any):
+        self.client = client
+        self.store = store
+        self.retries: int = options["retries"]
+        self.backoff: Backoff = options["backoff"]
+        self.fail_fast: bool = options["fail_fast"]
+        self.progress: ProgressCallback | None = options["progress"]
+        self.lines: Mapping[str, int] = options["line_numbers"] or {}
+        self.log: _FailureLog = options["log"]
+        self.summary: ExtractionSummary = options["summary"]
+        self._write_lock = anyio.Lock()
+
+    def plan(self, samples: Sequence[Sample]) -> list[Sample]:
+        todo = [s for s in samples if s.id not in self.store]
+        self.summary.skipped = len(samples) - len(todo)
+        self.summary.samples_total = len(todo)
+        self.summary.tokens_total = sum(len(s.input_ids) for s in todo)
+        return todo
+
+    async def worker(self, queue: Iterator[Sample], scope: anyio.CancelScope) -> None:
+        for sample in queue:
+            failed = not await self.one(sample)
+            self._report()
+            if failed and self.fail_fast:
+                scope.cancel()
+                return
+
+    async def one(self, sample: Sample) -> bool:
+        for attempt in range(1, self.retries + 2):
+            try:
+                states = await self.client.extract(sample)
+            except HsdumpError as exc:
+                if not exc.transient or attempt > self.retries:
+                    self.fail(sample, exc, attempt)
+                    return False
+                self.summary.retries += 1
+                logger.warning("sample %r, attempt %d: %s; retrying", sample.id, attempt, exc)
+                await anyio.sleep(self.backoff.delay(attempt))
+                continue
+            return await self.commit(sample, states, attempt)
+        raise AssertionError("unreachable: the last attempt returns")
+
+    async def commit(self, sample: Sample, states: HiddenStates, attempt: int) -> bool:
+        async with self._write_lock:
+            before = int(getattr(self.store, "bytes_stored", 0))
+            try:
+                # Not abandoned on cancellation: the write finishes, so the sample is all or nothing.
+                await anyio.to_thread.run_sync(self.store.write, states)
+            except SampleExistsError:
+                self.summary.skipped += 1  # another writer committed it meanwhile
+                return True
+            except HsdumpError as exc:
+                self.fail(sample, exc, attempt)
+                return False
+            stored = int(getattr(self.store, "bytes_stored", 0)) - before
+        self.summary.samples_done += 1
+        self.summary.tokens_done += states.num_tokens
+        self.summary.bytes_raw += states.nbytes
+        self.summary.bytes_stored += max(stored, 0)
+        logger.info("committed sample %r (%d tokens)", sample.id, states.num_tokens)
+        return True
+
+    def fail(self, sample: Sample, exc: HsdumpError, attempts: int) -> None:
+        failure = Failure(
+            sample.id, self.lines.get(sample.id), type(exc).__name__, str(exc), attempts
+        )
+        self.summary.failures.append(failure)
+        self.log.record(failure)
+        logger.error("sample %r failed after %d attempt(s): %s", sample.id, attempts, exc)
+
+    def _report(self) -> None:
+        if self.progress is not None:
+            self.progress(self.summary)
+
+
+async def run_extraction(
+    samples: Sequence[Sample],
+    *,
+    client: Extractor,
+    store: SampleSink,
+    retries: int = 3,
+    backoff: Backoff | None = None,
+    concurrency: int = 1,
+    failures_path: str | os.PathLike[str] | None = None,
+    fail_fast: bool = False,
+    progress: ProgressCallback | None = None,
+    line_numbers: Mapping[str, int] | None = None,
+    prior_failures: Sequence[Failure] = (),
+) -> ExtractionSummary:
+    """Extract every sample the store does not hold yet, and commit it.
+
+    Args:
+        samples: The samples, in order.
+        client: An open :class:`~hsdump.HiddenStateClient` (or anything with its ``extract``).
+        store: An open store in write mode.
+        retries: Retries of a sample after a transient failure (a fresh request each time).
+        backoff: Delays between attempts.
+        concurrency: Samples in progress at once (give the client as many ``max_in_flight``).
+        failures_path: The JSONL failures file, rewritten by each run; none when None.
+        fail_fast: Stop at the first failure.
+        progress: Called with the live summary after each sample.
+        line_numbers: Dataset line of each sample id, for the failures file.
+        prior_failures: Failures found before the run (bad dataset lines), recorded first.
+
+    Returns:
+        The summary; ``summary.ok`` is False when anything failed or the run was cancelled.
+    """
+    if retries < 0 or concurrency < 1:
+        raise ConfigError(f"retries must be >= 0 and concurrency >= 1, got {retries}, {concurrency}")
+    summary = ExtractionSummary(failures=list(prior_failures))
+    path = Path(failures_path) if failures_path is not None else None
+    with _FailureLog(path) as log:
+        for failure in prior_failures:
+            log.record(failure)
+        run = _Run(
+            client, store, retries=retries, backoff=backoff or Backoff(), fail_fast=fail_fast,
+            progress=progress, line_numbers=line_numbers, log=log, summary=summary,
+        )  # fmt: skip
+        await _drive(run, samples, concurrency)
+    return summary
+
+
+async def _drive(run: _Run, samples: Sequence[Sample], concurrency: int) -> None:
+    summary = run.summary
+    queue = iter(run.plan(samples))
+    run._report()
+    if summary.failures and run.fail_fast:
+        summary.finished = time.monotonic()
+        return
+    try:
+        async with anyio.create_task_group() as group:
+            for _ in range(min(concurrency, max(summary.samples_total, 1))):
+                group.start_soon(run.worker, queue, group.cancel_scope)
+    except BaseException:
+        summary.interrupted = True
+        raise
+    finally:
+        summary.finished = time.monotonic()
+    if any(True for _ in queue):
+        summary.interrupted = True  # fail-fast stopped the run with samples left

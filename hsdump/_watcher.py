@@ -1,0 +1,223 @@
+"""Waiting for a request's dump: the :class:`DumpWatcher` protocol and its implementations.
+
+:class:`InotifyWatcher` reads Linux inotify events straight from the kernel on the event loop
+(``loop.add_reader``), so a dump is seen within microseconds and an idle watcher costs no CPU.
+watchfiles was measured first: its Rust loop wakes every ``step`` ms (p50 wake-up 2.0 ms at
+``step=1``) and ``step=0`` spins a whole core, so it cannot meet a sub-millisecond wake-up.
+:class:`PollingWatcher` is the fallback for filesystems without inotify (NFS, some containers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import anyio
+
+from hsdump._exceptions import ConfigError, DumpTimeout
+from hsdump._protocol import DONE_MARKER, ERROR_MARKER, REQ_PREFIX, request_dir, validate_rid
+
+__all__ = ["DumpWatcher", "InotifyWatcher", "PollingWatcher", "default_watcher"]
+
+logger = logging.getLogger(__name__)
+ENV_WATCHER = "HSDUMP_WATCHER"
+
+
+@runtime_checkable
+class DumpWatcher(Protocol):
+    """Waits until a request's dump directory is published.
+
+    Implementations must return when ``req_<rid>`` holds ``done`` or ``error``, including when it
+    was published before the wait began, and must leave no task, watch or file handle behind when a
+    wait times out or is cancelled.
+    """
+
+    root: Path
+
+    async def wait(self, rid: str, timeout: float) -> Path:
+        """Return the published ``req_<rid>`` directory; raise DumpTimeout after ``timeout`` s."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release every resource; later waits raise."""
+        ...
+
+
+def _is_published(path: Path) -> bool:
+    return (path / DONE_MARKER).exists() or (path / ERROR_MARKER).exists()
+
+
+def _timeout_error(root: Path, rid: str, timeout: float) -> DumpTimeout:
+    return DumpTimeout(
+        f"no dump appeared in {request_dir(root, rid)} within {timeout:g} s. Check that the server "
+        "dumps into this directory and is not overloaded; raise dump_timeout for very long prompts.",
+        rid=rid,
+    )
+
+
+class PollingWatcher:
+    """Checks for the markers with ``stat`` at a short interval that backs off to ``max_interval``.
+
+    Args:
+        root: The dump root.
+        interval: First polling interval in seconds.
+        max_interval: Longest polling interval in seconds.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, interval: float = 0.001, max_interval: float = 0.02):
+        self.root = Path(root)
+        self.interval = interval
+        self.max_interval = max_interval
+        self._closed = False
+
+    async def wait(self, rid: str, timeout: float) -> Path:
+        """See :meth:`DumpWatcher.wait`."""
+        path = request_dir(self.root, validate_rid(rid))
+        if self._closed:
+            raise ConfigError("this watcher is closed")
+        delay = self.interval
+        with anyio.move_on_after(timeout):
+            while not _is_published(path):
+                await anyio.sleep(delay)
+                delay = min(delay * 1.5, self.max_interval)
+            return path
+        raise _timeout_error(self.root, rid, timeout)
+
+    async def aclose(self) -> None:
+        """See :meth:`DumpWatcher.aclose`."""
+        self._closed = True
+
+
+class InotifyWatcher:
+    """Wakes waiters from Linux inotify events on the dump root (asyncio event loops).
+
+    One inotify descriptor watches the root for directories moved or created in; a directory that
+    appears before its marker (a producer that does not rename atomically) gets a watch of its own
+    until the marker arrives.
+
+    Args:
+        root: The dump root (created if missing).
+    """
+
+    def __init__(self, root: str | os.PathLike[str]):
+        self.root = Path(root)
+        self._waiters: dict[str, set[anyio.Event]] = {}
+        self._subdirs: dict[int, str] = {}
+        self._inotify: object | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+
+    def _start(self) -> None:
+        from inotify_simple import INotify, flags
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        inotify = INotify(nonblocking=True)
+        mask = flags.CREATE | flags.MOVED_TO | flags.ONLYDIR | flags.DELETE_SELF
+        inotify.add_watch(self.root, mask)
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(inotify.fileno(), self._on_events)
+        self._inotify = inotify
+
+    def _on_events(self) -> None:
+        from inotify_simple import flags
+
+        for event in self._inotify.read(timeout=0):  # type: ignore[attr-defined]
+            if event.mask & (flags.Q_OVERFLOW | flags.DELETE_SELF | flags.IGNORED):
+                self._wake_all()  # events were lost: let every waiter look again
+            elif event.wd in self._subdirs:
+                self._wake(self._subdirs[event.wd])
+            elif event.name.startswith(REQ_PREFIX):
+                self._on_request_dir(event.name[len(REQ_PREFIX) :])
+
+    def _on_request_dir(self, rid: str) -> None:
+        if rid not in self._waiters:
+            return
+        path = request_dir(self.root, rid)
+        if _is_published(path):
+            self._wake(rid)
+            return
+        from inotify_simple import flags
+
+        wd = self._inotify.add_watch(path, flags.CREATE | flags.MOVED_TO)  # type: ignore[attr-defined]
+        self._subdirs[wd] = rid
+        if _is_published(path):  # the marker may have landed before the watch
+            self._wake(rid)
+
+    def _wake(self, rid: str) -> None:
+        for event in self._waiters.get(rid, ()):
+            event.set()
+
+    def _wake_all(self) -> None:
+        for rid in list(self._waiters):
+            self._wake(rid)
+
+    async def wait(self, rid: str, timeout: float) -> Path:
+        """See :meth:`DumpWatcher.wait`."""
+        path = request_dir(self.root, validate_rid(rid))
+        if self._closed:
+            raise ConfigError("this watcher is closed")
+        if self._inotify is None:
+            self._start()
+        with anyio.move_on_after(timeout):
+            while True:
+                event = anyio.Event()
+                self._waiters.setdefault(rid, set()).add(event)
+                try:
+                    if _is_published(path):  # registered first, so no event can slip by
+                        return path
+                    await event.wait()
+                    if self._closed:
+                        raise ConfigError("the watcher was closed while waiting")
+                finally:
+                    self._unregister(rid, event)
+        raise _timeout_error(self.root, rid, timeout)
+
+    def _unregister(self, rid: str, event: anyio.Event) -> None:
+        waiters = self._waiters.get(rid)
+        if waiters is not None:
+            waiters.discard(event)
+            if not waiters:
+                del self._waiters[rid]
+                self._drop_subdir_watches(rid)
+
+    def _drop_subdir_watches(self, rid: str) -> None:
+        for wd in [wd for wd, owner in self._subdirs.items() if owner == rid]:
+            del self._subdirs[wd]
+            try:
+                self._inotify.rm_watch(wd)  # type: ignore[attr-defined]
+            except OSError:
+                pass  # the directory is gone, and the kernel dropped the watch with it
+
+    async def aclose(self) -> None:
+        """See :meth:`DumpWatcher.aclose`."""
+        self._closed = True
+        if self._inotify is not None:
+            assert self._loop is not None
+            self._loop.remove_reader(self._inotify.fileno())  # type: ignore[attr-defined]
+            self._inotify.close()  # type: ignore[attr-defined]
+            self._inotify = None
+        self._wake_all()
+
+
+def default_watcher(root: str | os.PathLike[str], kind: str | None = None) -> DumpWatcher:
+    """The watcher for ``root``: ``kind`` or ``$HSDUMP_WATCHER`` ("inotify" or "poll").
+
+    Without either, inotify where the platform has it, else polling.
+    """
+    kind = kind or os.environ.get(ENV_WATCHER) or ("inotify" if _has_inotify() else "poll")
+    if kind == "inotify":
+        return InotifyWatcher(root)
+    if kind == "poll":
+        return PollingWatcher(root)
+    raise ConfigError(f"unknown watcher {kind!r}: use 'inotify' or 'poll' (HSDUMP_WATCHER)")
+
+
+def _has_inotify() -> bool:
+    try:
+        import inotify_simple  # noqa: F401
+    except (ImportError, OSError):
+        return False
+    return hasattr(os, "uname") and os.uname().sysname == "Linux"
