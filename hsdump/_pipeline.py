@@ -324,7 +324,9 @@ async def run_extraction(
         The summary; ``summary.ok`` is False when anything failed or the run was cancelled.
     """
     if retries < 0 or concurrency < 1:
-        raise ConfigError(f"retries must be >= 0 and concurrency >= 1, got {retries}, {concurrency}")
+        raise ConfigError(
+            f"retries must be >= 0 and concurrency >= 1, got {retries}, {concurrency}"
+        )
     summary = ExtractionSummary(failures=list(prior_failures))
     path = Path(failures_path) if failures_path is not None else None
     with _FailureLog(path) as log:
