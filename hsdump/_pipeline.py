@@ -200,7 +200,7 @@ class _FailureLog:
     def __enter__(self) -> _FailureLog:
         if self.path is not None:
             try:
-                self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - held for the run
+                self._file = open(self.path, "w", encoding="utf-8")
             except OSError as exc:
                 raise ConfigError(f"cannot write the failures file {self.path}: {exc}") from exc
         return self
@@ -262,7 +262,7 @@ class _Run:
         async with self._write_lock:
             before = int(getattr(self.store, "bytes_stored", 0))
             try:
-                # Not abandoned on cancellation: the write finishes, so the sample is all or nothing.
+                # Not abandoned on cancellation: the write finishes; a sample is all or nothing.
                 await anyio.to_thread.run_sync(self.store.write, states)
             except SampleExistsError:
                 self.summary.skipped += 1  # another writer committed it meanwhile

@@ -1,4 +1,4 @@
-"""The extraction loop: resume, retries with fresh requests, failures recorded, clean cancellation."""
+"""The extraction loop: resume, retries with fresh requests, failures recorded, cancellation."""
 
 from __future__ import annotations
 
