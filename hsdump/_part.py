@@ -43,6 +43,8 @@ STATE_KEY = "hsdump_part"
 _SHARDS_PER_GROW = 64  # capacity grows a fixed step, so few metadata rewrites and few stray shards
 _IDS_CHUNK_SHARDS = 16
 _INDEX_CHUNK = 16384
+# "c.12.0.0" instead of "c/12/0/0": one directory per array instead of two per shard.
+_FLAT_KEYS = {"name": "default", "separator": "."}
 
 
 class _Frozen(BaseModel):
@@ -294,8 +296,14 @@ class PartWriter:
             fill_value=0,
             compressors=hidden_compressors(layout.compression, bits_dtype(layout.dtype).itemsize),  # type: ignore[arg-type]
             attributes={"logical_dtype": layout.dtype, "axes": ["token", "layer", "hidden"]},
+            chunk_key_encoding=_FLAT_KEYS,
         )
-        small = {"chunks": (shard * _IDS_CHUNK_SHARDS,), "fill_value": 0, "compressors": small_compressors()}
+        small = {
+            "chunks": (shard * _IDS_CHUNK_SHARDS,),
+            "fill_value": 0,
+            "compressors": small_compressors(),
+            "chunk_key_encoding": _FLAT_KEYS,
+        }
         self.group.create_array("input_ids", shape=(tokens,), dtype="int32", **small)
         self.group.create_array("loss_mask", shape=(tokens,), dtype="uint8", **small)
         idx = {"compressors": small_compressors()}

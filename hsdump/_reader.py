@@ -1,0 +1,144 @@
+"""Reading committed samples back from one part, and checking them against their checksums."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+from hsdump._codecs import bits_to_tensor
+from hsdump._exceptions import StoreCorruptedError
+
+if TYPE_CHECKING:
+    import zarr
+
+    from hsdump._part import PartIndex
+    from hsdump._types import HiddenStates
+
+__all__ = ["CorruptSample", "PartReader", "VerifyReport", "verify_parts"]
+
+
+class CorruptSample(BaseModel):
+    """A sample that failed verification."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sample_id: str
+    part: str
+    reason: str
+
+
+class VerifyReport(BaseModel):
+    """The result of :meth:`HiddenStateStore.verify`.
+
+    Attributes:
+        checked: Samples re-read.
+        ok: Samples whose bytes match their checksum.
+        corrupted: Samples that could not be decoded or whose checksum differs.
+        duplicates: Sample IDs committed by more than one part (readers use the first part).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    checked: int
+    ok: int
+    corrupted: list[CorruptSample]
+    duplicates: list[str]
+
+    @property
+    def clean(self) -> bool:
+        """True when every checked sample is intact and no ID is duplicated."""
+        return not self.corrupted and not self.duplicates
+
+
+class PartReader:
+    """Reads samples of one part by row; opens the arrays on first use."""
+
+    def __init__(self, root: zarr.Group, index: PartIndex) -> None:
+        self._root = root
+        self.index = index
+        self._arrays: tuple[Any, Any, Any] | None = None
+
+    def _open(self) -> tuple[Any, Any, Any]:
+        if self._arrays is None:
+            g = self._root[self.index.name]
+            self._arrays = (g["hidden"], g["input_ids"], g["loss_mask"])
+        return self._arrays
+
+    def read_raw(self, row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The stored bits ``[T, K+1, H]``, int32 ids and uint8 mask (or None) of a row."""
+        offset, length, has_mask, _ = (int(v) for v in self.index.rows[row])
+        hidden, ids, mask = self._open()
+        sel = slice(offset, offset + length)
+        return hidden[sel], ids[sel], mask[sel] if has_mask else None
+
+    def checksum_error(self, row: int) -> str | None:
+        """Why a row's stored bytes are bad, or None when they match the checksum."""
+        try:
+            bits, ids, mask = self.read_raw(row)
+        except Exception as exc:  # noqa: BLE001 - any decode failure means the bytes are damaged
+            return f"cannot decode: {type(exc).__name__}: {exc}"
+        crc = zlib.crc32(ids, zlib.crc32(np.ascontiguousarray(bits)))
+        if mask is not None:
+            crc = zlib.crc32(mask, crc)
+        expected = int(self.index.rows[row, 3])
+        return None if crc == expected else f"checksum {crc:#010x} != committed {expected:#010x}"
+
+    def read(self, row: int, *, verify: bool, where: str) -> HiddenStates:
+        """Read a committed row as :class:`HiddenStates` (bf16 tensors are views of the decoded bits)."""
+        import torch
+
+        from hsdump._types import HiddenStates
+
+        sid = self.index.sample_ids[row]
+        if verify and (reason := self.checksum_error(row)) is not None:
+            raise _corrupted(sid, self.index.name, where, reason)
+        try:
+            bits, ids, mask = self.read_raw(row)
+        except Exception as exc:
+            raise _corrupted(sid, self.index.name, where, f"{type(exc).__name__}: {exc}") from exc
+        state = self.index.state
+        assert state.layout is not None and state.provenance is not None
+        hidden = bits_to_tensor(bits, state.layout.dtype)
+        k = state.layout.layers - 1
+        return HiddenStates(
+            sample_id=sid,
+            input_ids=torch.from_numpy(ids.astype(np.int64)),
+            aux_hidden_states=hidden[:, :k],
+            final_hidden_state=hidden[:, k],
+            layer_ids=list(state.provenance.layer_ids),
+            loss_mask=None if mask is None else torch.from_numpy(mask),
+            meta=None,
+            attrs={"store": where, "part": self.index.name, "provenance": state.provenance.model_dump(mode="json")},
+        )
+
+
+def _corrupted(sid: str, part: str, where: str, reason: str) -> StoreCorruptedError:
+    return StoreCorruptedError(
+        f"stored bytes in {where} ({part}) are damaged: {reason}. Run `hsdump verify-store` to list "
+        "every damaged sample, then regenerate them into a new store",
+        sample_id=sid,
+    )
+
+
+def verify_parts(
+    readers: dict[str, PartReader],
+    where: dict[str, tuple[str, int]],
+    sample_ids: list[str],
+    duplicates: list[str],
+    *,
+    progress: Callable[[int], Any] | None = None,
+) -> VerifyReport:
+    """Recompute the checksums of ``sample_ids``; ``progress(n)`` is called after each sample."""
+    bad: list[CorruptSample] = []
+    for n, sid in enumerate(sample_ids, 1):
+        part, row = where[sid]
+        reason = readers[part].checksum_error(row)
+        if reason is not None:
+            bad.append(CorruptSample(sample_id=sid, part=part, reason=reason))
+        if progress is not None:
+            progress(n)
+    return VerifyReport(checked=len(sample_ids), ok=len(sample_ids) - len(bad), corrupted=bad, duplicates=duplicates)

@@ -1,0 +1,523 @@
+"""The hidden-state store: samples keyed by ID in a chunked, compressed Zarr store.
+
+A store is a zarr group with one part per writer (see :mod:`hsdump._part`)::
+
+    store.zarr/
+      zarr.json              attributes["hsdump_store"] = {"format": "hsdump-store", "version": 1}
+      part-<writer_id>/      one writer's samples and index
+
+Readers merge the part indexes in RAM (a few ms for 37,000 samples); nothing lists samples on disk.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import functools
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from hsdump._codecs import Compression, chunk_tokens_for, codec_description, torch_dtype_name
+from hsdump._exceptions import (
+    ConfigError,
+    InputError,
+    SampleExistsError,
+    SampleNotFoundError,
+    StoreError,
+)
+from hsdump._part import PART_PREFIX, STATE_KEY, PartIndex, PartLayout, PartState, PartWriter, load_part_index
+from hsdump._provenance import Provenance, check_compatible, provenance_of
+from hsdump._reader import PartReader, VerifyReport, verify_parts
+from hsdump._stats import LayerStats, merge_layer_lists, tensor_stats
+
+if TYPE_CHECKING:
+    import zarr
+
+    from hsdump._types import HiddenStates
+
+__all__ = ["HiddenStateStore", "VerifyReport", "open_store", "verify_store"]
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["r", "a", "w"]
+IfExists = Literal["error", "skip"]
+ROOT_KEY = "hsdump_store"
+DEFAULT_WRITER_ID = "default"
+DEFAULT_SHARD_TOKENS = 4096
+_LOCK_FILE = ".hsdump-writer.lock"
+
+
+def open_store(
+    path: str | os.PathLike[str] | Any,
+    mode: Mode = "a",
+    *,
+    writer_id: str | None = None,
+    compression: Compression = "zstd",
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    verify_reads: bool = False,
+) -> HiddenStateStore:
+    """Open (or create) a hidden-state store.
+
+    Args:
+        path: A local directory, a URL zarr understands (``s3://...``), or a zarr ``Store``.
+        mode: ``"r"`` read only; ``"a"`` create or append, resuming this writer's part;
+            ``"w"`` create a new store, refused if one already exists at ``path``.
+        writer_id: Names this writer's part (default ``"default"``). A rerun with the same id
+            resumes its part; concurrent writers need distinct ids.
+        compression: Hidden-state codec: ``"zstd"`` (Blosc zstd level 1, byte shuffle, 1 MiB
+            blocks; the default), ``"lz4"`` (faster decode, lower ratio) or ``"none"``.
+        shard_tokens: Tokens per shard file (a multiple of the chunk size is chosen).
+        verify_reads: Recompute each sample's checksum when it is read.
+
+    Returns:
+        The open store; close it (or use it as a context manager) to commit buffered samples.
+
+    Raises:
+        StoreError: The store is missing (mode ``"r"``), exists (mode ``"w"``), is locked by
+            another live writer, or cannot be opened.
+    """
+    if mode not in ("r", "a", "w"):
+        raise ConfigError(f"mode must be 'r', 'a' or 'w', got {mode!r}")
+    if shard_tokens < 16:
+        raise ConfigError(f"shard_tokens must be at least 16, got {shard_tokens}")
+    root = _open_root(path, mode)
+    return HiddenStateStore(
+        root,
+        mode=mode,
+        writer_id=writer_id or DEFAULT_WRITER_ID,
+        compression=compression,
+        shard_tokens=shard_tokens,
+        verify_reads=verify_reads,
+        where=_describe(path),
+    )
+
+
+def verify_store(path: str | os.PathLike[str] | Any) -> VerifyReport:
+    """Recompute the checksum of every committed sample of the store at ``path``."""
+    with open_store(path, "r") as store:
+        return store.verify()
+
+
+def _describe(path: Any) -> str:
+    return str(path) if isinstance(path, (str, os.PathLike)) else type(path).__name__
+
+
+def _open_root(path: Any, mode: Mode) -> zarr.Group:
+    import zarr
+    from zarr.storage import LocalStore
+
+    store = LocalStore(os.fspath(path), read_only=mode == "r") if _is_local(path) else path
+    where = _describe(path)
+    try:
+        root = zarr.open_group(store=store, mode="r")
+    except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
+        if mode == "r":
+            raise StoreError(f"no store at {where}: check the path, or write samples first") from exc
+        return _create_root(store, where)
+    except OSError as exc:
+        raise _os_error(exc, where) from exc
+    if ROOT_KEY not in root.attrs:
+        raise StoreError(f"{where} is a zarr group but not an hsdump store: choose another path")
+    if mode == "w":
+        raise StoreError(
+            f"a store already exists at {where}: open it with mode='a' to append or resume, "
+            "or delete it to start over"
+        )
+    return root if mode == "r" else zarr.open_group(store=store, mode="r+")
+
+
+def _create_root(store: Any, where: str) -> zarr.Group:
+    import zarr
+
+    try:
+        return zarr.open_group(
+            store=store, mode="a", attributes={ROOT_KEY: {"format": "hsdump-store", "version": 1}}
+        )
+    except OSError as exc:
+        raise _os_error(exc, where) from exc
+
+
+def _is_local(path: Any) -> bool:
+    return isinstance(path, os.PathLike) or (isinstance(path, str) and "://" not in path)
+
+
+def _os_error(exc: OSError, where: str) -> StoreError:
+    if exc.errno == errno.ENOSPC:
+        return StoreError(
+            f"no space left on the device of {where}: free space and rerun; committed samples "
+            "are safe and the rerun resumes after them"
+        )
+    return StoreError(f"I/O error on the store at {where}: {exc}")
+
+
+class HiddenStateStore:
+    """Samples' hidden states keyed by sample ID. Create it with :func:`open_store`.
+
+    Reading sees committed samples only: ``len(store)``, ``sample_id in store``, iteration and
+    ``store[sample_id]``. Writing buffers samples until a shard is full; :meth:`flush` and
+    :meth:`close` commit the rest. Other processes' commits become visible on :meth:`refresh`.
+
+    Attributes:
+        writer_id: This writer's part (``None`` when read-only).
+        where: The path or store description, for messages.
+    """
+
+    def __init__(
+        self,
+        root: zarr.Group,
+        *,
+        mode: Mode,
+        writer_id: str,
+        compression: Compression,
+        shard_tokens: int,
+        verify_reads: bool,
+        where: str,
+    ) -> None:
+        self._root = root
+        self._mode = mode
+        self.where = where
+        self.writer_id = None if mode == "r" else writer_id
+        self._compression = compression
+        self._shard_tokens = shard_tokens
+        self._verify_reads = verify_reads
+        self._lock = threading.RLock()
+        self._lock_fd: int | None = None
+        self._closed = False
+        self._writer: PartWriter | None = None
+        self._readers: dict[str, PartReader] = {}
+        self._where: dict[str, tuple[str, int]] = {}
+        self.duplicates: list[str] = []
+        self.refresh()
+        if mode != "r":
+            self._writer = self._open_writer(writer_id)
+
+    # -- opening ---------------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Reload every part's committed index (sees other writers' new commits)."""
+        with self._lock:
+            own = self._writer.index if self._writer else None
+            indexes = [own if own and own.name == name else load_part_index(g, name) for name, g in self._parts()]
+            self._readers = {i.name: self._readers.get(i.name) or PartReader(self._root, i) for i in indexes}
+            for index in indexes:
+                self._readers[index.name].index = index
+            self._where, self.duplicates = {}, []
+            for index in indexes:
+                self._add_rows(index, 0, index.state.n_committed)
+
+    def _parts(self) -> list[tuple[str, zarr.Group]]:
+        try:
+            groups = [(n, g) for n, g in self._root.groups() if n.startswith(PART_PREFIX)]
+        except OSError as exc:
+            raise _os_error(exc, self.where) from exc
+        return sorted((n, g) for n, g in groups if STATE_KEY in g.attrs)
+
+    def _add_rows(self, index: PartIndex, n0: int, n1: int) -> None:
+        for row in range(n0, n1):
+            sid = index.sample_ids[row]
+            if sid in self._where:
+                self.duplicates.append(sid)
+            else:
+                self._where[sid] = (index.name, row)
+
+    def _open_writer(self, writer_id: str) -> PartWriter:
+        if not writer_id or "/" in writer_id or writer_id.startswith("."):
+            raise ConfigError(f"writer_id {writer_id!r} must be a non-empty name without '/'")
+        name = PART_PREFIX + writer_id
+        try:
+            group = self._root.require_group(name)
+            self._lock_fd = _lock_part(self._root, name, self.where)
+            if STATE_KEY not in group.attrs:
+                group.update_attributes({STATE_KEY: PartState(writer_id=writer_id).model_dump(mode="json")})
+            index = load_part_index(group, name)
+            writer = PartWriter(group, index, on_commit=self._on_commit)
+        except OSError as exc:
+            raise _os_error(exc, self.where) from exc
+        self._readers[name] = PartReader(self._root, index)
+        self._cleanup_partials(name)
+        return writer
+
+    def _cleanup_partials(self, name: str) -> None:
+        local = _local_dir(self._root)
+        if local is None:
+            return
+        # A killed zarr LocalStore write leaves its temp file; the real key was never replaced.
+        for leftover in (local / name).rglob("*.partial"):
+            leftover.unlink(missing_ok=True)
+            logger.info("removed leftover temp file %s", leftover)
+
+    def _on_commit(self, index: PartIndex, n0: int, n1: int) -> None:
+        self._readers[index.name].index = index
+        self._add_rows(index, n0, n1)
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    async def write(self, hs: HiddenStates, *, if_exists: IfExists = "error") -> bool:
+        """Write one sample from asyncio; the work runs in a thread, so the event loop keeps going.
+
+        Returns:
+            True if the sample was written, False if it existed and ``if_exists="skip"``.
+        """
+        import anyio
+
+        return await anyio.to_thread.run_sync(functools.partial(self.write_sync, hs, if_exists=if_exists))
+
+    def write_sync(self, hs: HiddenStates, *, if_exists: IfExists = "error") -> bool:
+        """Write one sample (blocking). It is committed when its shard is written, or on flush.
+
+        Raises:
+            SampleExistsError: The ID is committed or buffered and ``if_exists="error"``.
+            ProvenanceMismatch: The sample was produced under other settings than the store's.
+            InputError: The tensors' shapes or dtypes do not fit together.
+        """
+        with self._lock:
+            writer = self._require_writer()
+            if hs.sample_id in self._where or hs.sample_id in writer.pending_ids:
+                if if_exists == "skip":
+                    return False
+                raise SampleExistsError(
+                    f"already in the store at {self.where}: pass if_exists='skip' to skip "
+                    "samples that are done, or use a new sample id",
+                    sample_id=hs.sample_id,
+                )
+            try:
+                self._write_locked(writer, hs)
+            except OSError as exc:
+                raise _os_error(exc, self.where) from exc
+            return True
+
+    def _write_locked(self, writer: PartWriter, hs: HiddenStates) -> None:
+        from hsdump._codecs import tensor_to_bits
+
+        dtype = _check_tensors(hs)
+        prov = provenance_of(hs, dtype, codec_description(self._compression, 2 if dtype != "float32" else 4))
+        self._check_provenance(writer, prov, hs.sample_id)
+        layers, hidden = len(hs.layer_ids) + 1, int(hs.final_hidden_state.shape[-1])
+        if writer.state.layout is None:
+            row_bytes = layers * hidden * hs.final_hidden_state.element_size()
+            ct = chunk_tokens_for(row_bytes, self._shard_tokens)
+            shard = -(-self._shard_tokens // ct) * ct
+            writer.set_layout(PartLayout(layers=layers, hidden_size=hidden, dtype=dtype, chunk_tokens=ct, shard_tokens=shard, compression=self._compression), prov)
+        elif writer.provenance is None:
+            writer.set_layout(writer.state.layout, prov)
+        aux, final = hs.aux_hidden_states.detach().cpu(), hs.final_hidden_state.detach().cpu()
+        stats = tensor_stats(aux, list(hs.layer_ids)) + tensor_stats(final.unsqueeze(1), ["final"])
+        ids = _ids_int32(hs)
+        mask = None if hs.loss_mask is None else hs.loss_mask.detach().cpu().to(dtype=_uint8()).numpy()
+        writer.add(hs.sample_id, tensor_to_bits(aux), tensor_to_bits(final), ids, mask, stats)
+
+    def _check_provenance(self, writer: PartWriter, prov: Provenance, sample_id: str) -> None:
+        known = writer.provenance
+        if known is not None:
+            check_compatible(known, prov, where=self.where, sample_id=sample_id)
+            return
+        for reader in self._readers.values():
+            other = reader.index.state.provenance
+            if other is not None:
+                check_compatible(other, prov, where=f"{self.where} ({reader.index.name})", sample_id=sample_id)
+
+    def _require_writer(self) -> PartWriter:
+        if self._closed:
+            raise StoreError(f"the store at {self.where} is closed: open it again to write")
+        if self._writer is None:
+            raise StoreError(f"the store at {self.where} is open read-only: open it with mode='a' to write")
+        return self._writer
+
+    async def flush(self) -> None:
+        """Commit every buffered sample (writes the partial shard)."""
+        import anyio
+
+        await anyio.to_thread.run_sync(self.flush_sync)
+
+    def flush_sync(self) -> None:
+        """Blocking :meth:`flush`."""
+        with self._lock:
+            if self._writer is not None and not self._closed:
+                try:
+                    self._writer.flush()
+                except OSError as exc:
+                    raise _os_error(exc, self.where) from exc
+
+    def close(self) -> None:
+        """Commit buffered samples and release this writer's part. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                self.flush_sync()
+            finally:
+                self._closed = True
+                if self._lock_fd is not None:
+                    os.close(self._lock_fd)
+                    self._lock_fd = None
+
+    async def aclose(self) -> None:
+        """Async :meth:`close`."""
+        import anyio
+
+        await anyio.to_thread.run_sync(self.close)
+
+    def __enter__(self) -> HiddenStateStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> HiddenStateStore:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def __getitem__(self, sample_id: str) -> HiddenStates:
+        return self.get(sample_id)
+
+    def get(self, sample_id: str, *, verify: bool | None = None) -> HiddenStates:
+        """Read one committed sample; ``verify`` recomputes its checksum (default: the store's).
+
+        Raises:
+            SampleNotFoundError: The sample is not committed.
+            StoreCorruptedError: Its bytes cannot be decoded or do not match the checksum.
+        """
+        with self._lock:
+            loc = self._where.get(sample_id)
+            reader = self._readers[loc[0]] if loc else None
+        if loc is None or reader is None:
+            raise SampleNotFoundError(
+                f"not committed in the store at {self.where} ({len(self._where)} samples)",
+                sample_id=sample_id,
+            )
+        check = self._verify_reads if verify is None else verify
+        return reader.read(loc[1], verify=check, where=self.where)
+
+    def __contains__(self, sample_id: object) -> bool:
+        return sample_id in self._where
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._where))
+
+    def committed_ids(self) -> set[str]:
+        """The IDs of every committed sample (from the in-RAM index)."""
+        return set(self._where)
+
+    def lengths(self) -> dict[str, int]:
+        """Tokens per committed sample, for length-bucketed batching."""
+        out = {}
+        for sid, (part, row) in self._where.items():
+            out[sid] = int(self._readers[part].index.rows[row, 1])
+        return out
+
+    def locate(self, sample_id: str) -> tuple[str, int]:
+        """The part and row holding a committed sample."""
+        return self._where[sample_id]
+
+    @property
+    def provenance(self) -> Provenance | None:
+        """The settings the store's samples were produced under (``None`` while empty)."""
+        if self._writer is not None and self._writer.provenance is not None:
+            return self._writer.provenance
+        return next((r.index.state.provenance for r in self._readers.values() if r.index.state.provenance), None)
+
+    def _states(self) -> list[PartState]:
+        return [r.index.state for r in self._readers.values()]
+
+    @property
+    def bytes_raw(self) -> int:
+        """Raw hidden-state bytes of the committed samples."""
+        return sum(s.bytes_raw for s in self._states())
+
+    @property
+    def bytes_stored(self) -> int:
+        """Compressed bytes of the hidden-state shards written so far."""
+        return sum(s.bytes_stored for s in self._states())
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the committed samples."""
+        return sum(s.num_tokens for s in self._states())
+
+    def stats(self) -> list[LayerStats]:
+        """Per-layer statistics over every committed sample (aux layers, then ``"final"``)."""
+        out: list[LayerStats] = []
+        for state in self._states():
+            out = merge_layer_lists(out, state.stats)
+        return out
+
+    def verify(self, sample_ids: list[str] | None = None, *, progress: Any = None) -> VerifyReport:
+        """Re-read committed samples and compare their checksums; see :class:`VerifyReport`."""
+        targets = list(self._where) if sample_ids is None else sample_ids
+        return verify_parts(self._readers, self._where, targets, self.duplicates, progress=progress)
+
+
+def _check_tensors(hs: HiddenStates) -> str:
+    aux, final, ids = hs.aux_hidden_states, hs.final_hidden_state, hs.input_ids
+    t = int(ids.shape[0]) if ids.dim() == 1 else -1
+    k = len(hs.layer_ids)
+    if ids.dim() != 1 or t == 0 or aux.dim() != 3 or final.dim() != 2:
+        raise InputError(
+            f"expected input_ids [T], aux [T, K, H] and final [T, H], found {tuple(ids.shape)}, "
+            f"{tuple(aux.shape)} and {tuple(final.shape)}",
+            sample_id=hs.sample_id,
+        )
+    h = int(final.shape[1])
+    if tuple(aux.shape) != (t, k, h) or int(final.shape[0]) != t:
+        raise InputError(
+            f"shapes do not fit: input_ids has T={t}, layer_ids K={k}, final H={h}, so aux must "
+            f"be {(t, k, h)} and final {(t, h)}; found {tuple(aux.shape)} and {tuple(final.shape)}",
+            sample_id=hs.sample_id,
+        )
+    if hs.loss_mask is not None and tuple(hs.loss_mask.shape) != (t,):
+        raise InputError(f"loss_mask must be [{t}], found {tuple(hs.loss_mask.shape)}", sample_id=hs.sample_id)
+    dtype = torch_dtype_name(aux)
+    if final.dtype != aux.dtype:
+        raise InputError(f"aux is {aux.dtype} but final is {final.dtype}: they must match", sample_id=hs.sample_id)
+    return dtype
+
+
+def _ids_int32(hs: HiddenStates) -> np.ndarray:
+    ids = hs.input_ids.detach().cpu().numpy()
+    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
+        raise InputError("input_ids must be in [0, 2**31): token ids are stored as int32", sample_id=hs.sample_id)
+    return np.ascontiguousarray(ids, dtype=np.int32)
+
+
+def _uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def _local_dir(root: zarr.Group) -> Path | None:
+    from zarr.storage import LocalStore
+
+    if not isinstance(root.store, LocalStore):
+        return None
+    return Path(root.store.root) / root.store_path.path
+
+
+def _lock_part(root: zarr.Group, name: str, where: str) -> int | None:
+    """Hold an exclusive lock on a local part while it is open; the OS frees it if we die."""
+    local = _local_dir(root)
+    if local is None:
+        return None
+    fd = os.open(local / name / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        os.close(fd)
+        raise StoreError(
+            f"another live process is writing part {name!r} of {where}: give each concurrent "
+            "writer its own writer_id (one part per writer)"
+        ) from exc
+    return fd
