@@ -53,14 +53,21 @@ class Extractor(Protocol):
 
 
 class SampleSink(Protocol):
-    """Where committed samples go (a hidden-state store)."""
+    """Where committed samples go (a :class:`~hsdump.HiddenStateStore`).
+
+    ``bytes_raw`` and ``bytes_stored`` attributes, when present, feed the compression ratio.
+    """
 
     def __contains__(self, sample_id: object) -> bool:
         """Whether the sample is committed."""
         ...
 
-    def write(self, states: HiddenStates) -> Any:
-        """Commit one sample atomically."""
+    async def write(self, states: HiddenStates) -> Any:
+        """Write one sample; it is all or nothing, also when the caller is cancelled."""
+        ...
+
+    async def flush(self) -> None:
+        """Commit buffered samples."""
         ...
 
 
@@ -127,7 +134,8 @@ class ExtractionSummary:
         samples_done: Samples committed in this run.
         tokens_done: Their tokens.
         bytes_raw: Hidden-state bytes committed, before compression.
-        bytes_stored: Bytes the store wrote for them, when it reports them.
+        bytes_stored: Bytes the store has written to disk in this run, when it reports them.
+        store_bytes_raw: Raw bytes of the samples behind ``bytes_stored``.
         retries: Retries made.
         failures: Samples and lines that failed.
         interrupted: Whether the run was cancelled before its end.
@@ -142,6 +150,7 @@ class ExtractionSummary:
     tokens_done: int = 0
     bytes_raw: int = 0
     bytes_stored: int = 0
+    store_bytes_raw: int = 0
     retries: int = 0
     failures: list[Failure] = field(default_factory=list)
     interrupted: bool = False
@@ -166,7 +175,7 @@ class ExtractionSummary:
     @property
     def ratio(self) -> float:
         """Compression ratio (raw / stored); NaN before anything is stored."""
-        return self.bytes_raw / self.bytes_stored if self.bytes_stored else math.nan
+        return self.store_bytes_raw / self.bytes_stored if self.bytes_stored else math.nan
 
     @property
     def eta_s(self) -> float | None:
@@ -182,6 +191,10 @@ class ExtractionSummary:
 
 
 ProgressCallback = Callable[[ExtractionSummary], None]
+
+
+def _store_bytes(store: object) -> tuple[int, int]:
+    return int(getattr(store, "bytes_raw", 0)), int(getattr(store, "bytes_stored", 0))
 
 
 def failures_path_for(store_path: str | os.PathLike[str]) -> Path:
@@ -227,6 +240,7 @@ class _Run:
         self.log: _FailureLog = options["log"]
         self.summary: ExtractionSummary = options["summary"]
         self._write_lock = anyio.Lock()
+        self._store_start = _store_bytes(store)
 
     def plan(self, samples: Sequence[Sample]) -> list[Sample]:
         todo = [s for s in samples if s.id not in self.store]
@@ -260,23 +274,32 @@ class _Run:
 
     async def commit(self, sample: Sample, states: HiddenStates, attempt: int) -> bool:
         async with self._write_lock:
-            before = int(getattr(self.store, "bytes_stored", 0))
             try:
-                # Not abandoned on cancellation: the write finishes; a sample is all or nothing.
-                await anyio.to_thread.run_sync(self.store.write, states)
+                await self.store.write(states)
             except SampleExistsError:
                 self.summary.skipped += 1  # another writer committed it meanwhile
                 return True
             except HsdumpError as exc:
                 self.fail(sample, exc, attempt)
                 return False
-            stored = int(getattr(self.store, "bytes_stored", 0)) - before
         self.summary.samples_done += 1
         self.summary.tokens_done += states.num_tokens
         self.summary.bytes_raw += states.nbytes
-        self.summary.bytes_stored += max(stored, 0)
-        logger.info("committed sample %r (%d tokens)", sample.id, states.num_tokens)
+        self.count_stored()
+        logger.info("wrote sample %r (%d tokens)", sample.id, states.num_tokens)
         return True
+
+    def count_stored(self) -> None:
+        """Follow the store's own counters: it buffers samples and compresses whole shards."""
+        raw, stored = _store_bytes(self.store)
+        self.summary.store_bytes_raw = raw - self._store_start[0]
+        self.summary.bytes_stored = stored - self._store_start[1]
+
+    async def flush(self) -> None:
+        with anyio.CancelScope(shield=True):
+            async with self._write_lock:
+                await self.store.flush()
+            self.count_stored()
 
     def fail(self, sample: Sample, exc: HsdumpError, attempts: int) -> None:
         failure = Failure(
@@ -355,6 +378,7 @@ async def _drive(run: _Run, samples: Sequence[Sample], concurrency: int) -> None
         summary.interrupted = True
         raise
     finally:
+        await run.flush()
         summary.finished = time.monotonic()
     if any(True for _ in queue):
         summary.interrupted = True  # fail-fast stopped the run with samples left

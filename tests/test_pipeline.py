@@ -23,18 +23,24 @@ class MemoryStore:
     def __init__(self, committed: tuple[str, ...] = ()):
         self.samples: dict[str, HiddenStates] = dict.fromkeys(committed)  # type: ignore[arg-type]
         self.writes: list[str] = []
-        self.bytes_stored = 0
+        self.bytes_raw = self.bytes_stored = self.pending = self.flushes = 0
         self.refuse: set[str] = set()
 
     def __contains__(self, sample_id: object) -> bool:
         return sample_id in self.samples
 
-    def write(self, states: HiddenStates) -> None:
+    async def write(self, states: HiddenStates) -> None:
         if states.sample_id in self.refuse:
             raise StoreError(f"refused {states.sample_id}")
         self.samples[states.sample_id] = states
         self.writes.append(states.sample_id)
-        self.bytes_stored += states.nbytes // 2
+        self.pending += states.nbytes
+
+    async def flush(self) -> None:
+        self.flushes += 1
+        self.bytes_raw += self.pending
+        self.bytes_stored += self.pending // 2
+        self.pending = 0
 
 
 def _samples(n: int) -> list[Sample]:
@@ -139,7 +145,7 @@ async def test_cancellation_keeps_committed_samples_and_marks_the_run_interrupte
     summary = seen[-1]
     assert summary.interrupted and 1 <= len(store.writes) < 10
     assert store.writes == [f"s{i}" for i in range(len(store.writes))]
-    assert summary.samples_done == len(store.writes)
+    assert summary.samples_done == len(store.writes) and store.flushes == 1
 
 
 async def test_concurrent_workers_commit_every_sample_once(tmp_path):
