@@ -1,0 +1,313 @@
+"""HiddenStateClient against the fake server: every sample gets its own hidden states, or an error."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+import torch
+
+import hsdump
+from hsdump import HiddenStateClient, HiddenStates, Sample
+from hsdump._protocol import Capabilities
+from hsdump.testing import FakeServer, Fault, fake_states, publish
+
+pytestmark = pytest.mark.anyio
+LAYERS, HIDDEN = (2, 4, 6), 32
+
+
+def sample(i: int, n: int = 12) -> Sample:
+    rng = random.Random(i)
+    return Sample(id=f"s{i}", input_ids=[rng.randrange(1000) for _ in range(n)])
+
+
+def assert_belongs_to(states: HiddenStates, s: Sample) -> None:
+    aux, final = fake_states(s.input_ids, LAYERS, HIDDEN)
+    assert states.sample_id == s.id
+    assert states.input_ids.tolist() == list(s.input_ids)
+    assert torch.equal(states.aux_hidden_states.view(torch.uint16), torch.from_numpy(aux))
+    assert torch.equal(states.final_hidden_state.view(torch.uint16), torch.from_numpy(final))
+    assert states.aux_hidden_states.dtype == torch.bfloat16
+    assert states.layer_ids == list(LAYERS)
+
+
+def request_dirs(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith(("req_", ".tmp-")))
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[FakeServer]:
+    with FakeServer(tmp_path, layer_ids=LAYERS, hidden_size=HIDDEN) as srv:
+        yield srv
+
+
+@pytest.fixture
+async def client(server: FakeServer) -> AsyncIterator[HiddenStateClient]:
+    async with HiddenStateClient(server.url, dump_dir=server.dump_dir, dump_timeout=2) as c:
+        yield c
+
+
+async def test_extract_returns_the_samples_own_states(client: HiddenStateClient) -> None:
+    for i in range(3):
+        s = sample(i, n=5 + i)
+        assert_belongs_to(await client.extract(s), s)
+
+
+async def test_extract_removes_the_dump_directory(client: HiddenStateClient, server: FakeServer) -> None:
+    await client.extract(sample(0))
+    assert request_dirs(server.dump_dir) == []
+
+
+async def test_each_request_has_a_fresh_rid_and_cache_key(client: HiddenStateClient, server: FakeServer) -> None:
+    await client.extract(sample(0))
+    await client.extract(sample(0))
+    first, second = server.received
+    assert first.rid != second.rid and first.extra_key != second.extra_key
+    assert first.sampling_params["max_new_tokens"] == 0
+
+
+async def test_loss_mask_travels_with_the_sample(client: HiddenStateClient) -> None:
+    s = Sample(id="m", input_ids=[5, 6, 7], loss_mask=[0, 1, 1])
+    states = await client.extract(s)
+    assert states.loss_mask is not None and states.loss_mask.tolist() == [0, 1, 1]
+
+
+async def test_warmup_and_health_checks_create_no_dumps(server: FakeServer) -> None:
+    with httpx.Client(base_url=server.url) as http:
+        http.post("/generate", json={"input_ids": [10, 11, 12], "sampling_params": {"max_new_tokens": 8}})
+        http.post("/generate", json={"rid": "HEALTH_CHECK_1", "input_ids": [0]})
+        http.get("/health")
+    assert request_dirs(server.dump_dir) == []
+    async with HiddenStateClient(server.url, dump_dir=server.dump_dir) as client:
+        s = sample(1)
+        assert_belongs_to(await client.extract(s), s)
+
+
+async def test_stale_dumps_of_a_dead_client_are_removed_on_open(server: FakeServer) -> None:
+    root = server.dump_dir
+    publish(root, "hsdump-0123456789ab-0123456789abcdef")  # complete, owner gone
+    (root / "req_hsdump-0123456789ab-fedcba9876543210").mkdir()  # never completed
+    async with HiddenStateClient(server.url, dump_dir=root) as client:
+        assert request_dirs(root) == []
+        s = sample(2)
+        assert_belongs_to(await client.extract(s), s)
+
+
+async def test_a_second_live_clients_dumps_are_never_removed(server: FakeServer) -> None:
+    root = server.dump_dir
+    async with HiddenStateClient(server.url, dump_dir=root) as first:
+        theirs = first._lease.new_rid()
+        publish(root, theirs)
+        async with HiddenStateClient(server.url, dump_dir=root):
+            assert (root / f"req_{theirs}").exists()
+
+
+async def test_interleaved_clients_each_get_their_own_states(server: FakeServer) -> None:
+    async def run(client: HiddenStateClient, offset: int) -> None:
+        for i in range(offset, offset + 6):
+            s = sample(i)
+            assert_belongs_to(await client.extract(s), s)
+
+    async with (
+        HiddenStateClient(server.url, dump_dir=server.dump_dir) as a,
+        HiddenStateClient(server.url, dump_dir=server.dump_dir) as b,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(run, a, 0)
+        tg.start_soon(run, b, 100)
+
+
+@pytest.mark.parametrize("order", ["dump_first", "response_first"])
+async def test_response_and_dump_may_arrive_in_either_order(
+    client: HiddenStateClient, server: FakeServer, order: str
+) -> None:
+    server.inject(Fault(order, delay=0.1))  # type: ignore[arg-type]
+    s = sample(3)
+    assert_belongs_to(await client.extract(s), s)
+
+
+async def test_max_in_flight_matches_out_of_order_completions_by_rid(server: FakeServer) -> None:
+    rng = random.Random(0)
+    server.engine.fault_for = lambda rid, ids: Fault(
+        rng.choice(["dump_first", "response_first"]), delay=rng.uniform(0, 0.05)
+    )
+    samples = [sample(i, n=3 + i % 7) for i in range(24)]
+    results: dict[str, HiddenStates] = {}
+
+    async def one(s: Sample) -> None:
+        results[s.id] = await client.extract(s)
+
+    async with HiddenStateClient(server.url, dump_dir=server.dump_dir, max_in_flight=8) as client:
+        async with anyio.create_task_group() as tg:
+            for s in samples:
+                tg.start_soon(one, s)
+    for s in samples:
+        assert_belongs_to(results[s.id], s)
+
+
+@pytest.mark.parametrize(
+    ("kind", "error"),
+    [
+        ("wrong_token_count", hsdump.TokenMismatch),
+        ("wrong_token_ids", hsdump.TokenMismatch),
+        ("nan", hsdump.NonFiniteValues),
+        ("zero_row", hsdump.DegenerateValues),
+        ("error_marker", hsdump.DumpFailed),
+        ("response_rid", hsdump.RidMismatch),
+        ("cached_tokens", hsdump.DumpValidationError),
+        ("http_500", hsdump.ServerResponseError),
+        ("http_400", hsdump.ServerResponseError),
+        ("drop_connection", hsdump.ServerUnavailable),
+    ],
+)
+async def test_faults_raise_their_own_error_and_leave_nothing_behind(
+    client: HiddenStateClient, server: FakeServer, kind: str, error: type[Exception]
+) -> None:
+    s = sample(4)
+    server.inject(Fault(kind))  # type: ignore[arg-type]
+    with pytest.raises(error) as info:
+        await client.extract(s)
+    assert isinstance(info.value, hsdump.HsdumpError)
+    assert info.value.sample_id == s.id and "s4" in str(info.value)
+    await anyio.sleep(0.05)
+    assert request_dirs(server.dump_dir) == []
+    assert_belongs_to(await client.extract(s), s)  # the next attempt is unaffected
+
+
+async def test_transient_flags_guide_retries(client: HiddenStateClient, server: FakeServer) -> None:
+    server.inject(Fault("http_500"), Fault("http_400"))
+    with pytest.raises(hsdump.ServerResponseError) as e500:
+        await client.extract(sample(5))
+    with pytest.raises(hsdump.ServerResponseError) as e400:
+        await client.extract(sample(5))
+    assert e500.value.transient and not e400.value.transient
+
+
+async def test_unexpected_layers_are_refused(server: FakeServer) -> None:
+    async with HiddenStateClient(
+        server.url, dump_dir=server.dump_dir, expected_layer_ids=[1, 2, 3]
+    ) as client:
+        with pytest.raises(hsdump.LayerMismatch, match=r"\[2, 4, 6\].*\[1, 2, 3\]"):
+            await client.extract(sample(6))
+
+
+async def test_layers_changing_mid_run_are_refused(client: HiddenStateClient, server: FakeServer) -> None:
+    await client.extract(sample(7))
+    server.inject(Fault("wrong_layers"))
+    with pytest.raises(hsdump.LayerMismatch):
+        await client.extract(sample(8))
+
+
+async def test_a_dump_that_never_completes_times_out_cleanly(server: FakeServer) -> None:
+    server.inject(Fault("no_dump"))
+    async with HiddenStateClient(server.url, dump_dir=server.dump_dir, dump_timeout=0.2) as client:
+        with pytest.raises(hsdump.DumpTimeout, match="within 0.2 s") as info:
+            await client.extract(sample(9))
+        assert info.value.transient
+    assert request_dirs(server.dump_dir) == []
+
+
+async def test_a_late_dump_after_a_timeout_is_removed(server: FakeServer) -> None:
+    server.inject(Fault("response_first", delay=0.4))
+    async with HiddenStateClient(server.url, dump_dir=server.dump_dir, dump_timeout=0.1) as client:
+        with pytest.raises(hsdump.DumpTimeout):
+            await client.extract(sample(10))
+        await anyio.sleep(0.6)
+    assert request_dirs(server.dump_dir) == []
+
+
+async def test_cancelling_extract_mid_flight_leaves_nothing_behind(server: FakeServer) -> None:
+    server.inject(Fault("response_first", delay=0.3))
+    async with HiddenStateClient(server.url, dump_dir=server.dump_dir) as client:
+        with anyio.move_on_after(0.1):
+            await client.extract(sample(11))
+        await anyio.sleep(0.5)
+        s = sample(12)
+        assert_belongs_to(await client.extract(s), s)  # also sweeps the late dump
+    assert request_dirs(server.dump_dir) == []
+
+
+async def test_server_down_at_open_is_server_unavailable(tmp_path: Path) -> None:
+    with FakeServer(tmp_path) as srv:
+        url = srv.url
+    with FakeServer(tmp_path, port=0):  # a live manifest, but nothing listens at `url`
+        with pytest.raises(hsdump.ServerUnavailable, match="Is it running"):
+            async with HiddenStateClient(url, dump_dir=tmp_path):
+                pass
+
+
+async def test_server_going_down_mid_run_is_transient(server: FakeServer) -> None:
+    async with HiddenStateClient(server.url, dump_dir=server.dump_dir) as client:
+        await client.extract(sample(13))
+        server.stop()
+        with pytest.raises(hsdump.ServerUnavailable) as info:
+            await client.extract(sample(14))
+        assert info.value.transient
+
+
+async def test_no_manifest_means_the_server_is_not_dumping(tmp_path: Path) -> None:
+    with FakeServer(tmp_path, announce=False) as srv:
+        with pytest.raises(hsdump.ServerNotDumping, match="no server is dumping"):
+            async with HiddenStateClient(srv.url, dump_dir=tmp_path):
+                pass
+
+
+@pytest.mark.parametrize(
+    ("info", "flag"),
+    [
+        ({"disable_radix_cache": False}, "--disable-radix-cache"),
+        ({"chunked_prefill_size": 8192}, "--chunked-prefill-size -1"),
+    ],
+)
+async def test_settings_that_truncate_captures_are_refused(tmp_path: Path, info: dict, flag: str) -> None:
+    with FakeServer(tmp_path, server_info=info) as srv:
+        with pytest.raises(hsdump.ServerConfigError, match=flag):
+            async with HiddenStateClient(srv.url, dump_dir=tmp_path):
+                pass
+
+
+async def test_chunked_prefill_is_fine_when_the_producer_assembles_chunks(tmp_path: Path) -> None:
+    caps = Capabilities(chunked_prefill_assembly=True, prefix_cache_guard=True)
+    info = {"chunked_prefill_size": 8192, "disable_radix_cache": False}
+    with FakeServer(tmp_path, server_info=info, capabilities=caps, layer_ids=LAYERS) as srv:
+        async with HiddenStateClient(srv.url, dump_dir=tmp_path) as client:
+            s = sample(15)
+            assert_belongs_to(await client.extract(s), s)
+
+
+async def test_prompts_longer_than_the_server_accepts_are_input_errors(tmp_path: Path) -> None:
+    with FakeServer(tmp_path, server_info={"max_req_input_len": 4}) as srv:
+        async with HiddenStateClient(srv.url, dump_dir=tmp_path) as client:
+            with pytest.raises(hsdump.InputError, match="at most 4"):
+                await client.extract(sample(16, n=5))
+        assert srv.received == []
+
+
+async def test_a_closed_client_refuses_reuse(server: FakeServer) -> None:
+    client = HiddenStateClient(server.url, dump_dir=server.dump_dir)
+    async with client:
+        pass
+    with pytest.raises(hsdump.ConfigError, match="closed"):
+        await client.extract(sample(17))
+    with pytest.raises(hsdump.ConfigError):
+        await client.open()
+
+
+async def test_dump_budget_bounds_bytes_in_flight(server: FakeServer) -> None:
+    server.engine.latency = 0.01
+    row = (len(LAYERS) + 1) * HIDDEN * 2
+    budget = 3 * 12 * row  # three 12-token samples
+    samples = [sample(i) for i in range(16)]
+    async with HiddenStateClient(
+        server.url, dump_dir=server.dump_dir, max_in_flight=8, dump_budget_bytes=budget
+    ) as client:
+        async with anyio.create_task_group() as tg:
+            for s in samples:
+                tg.start_soon(client.extract, s)
+        assert 0 < client.budget.peak <= budget
+        assert client.budget.in_use == 0
+        assert client.stats.requests == 16 and client.stats.tokens == 16 * 12

@@ -1,0 +1,151 @@
+"""Dump protocol v1: what producers write is exactly what the reader gives back, or a clear error."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hsdump import DumpFailed, DumpValidationError, ServerNotDumping
+from hsdump._protocol import (
+    Capabilities,
+    DumpMeta,
+    DumpWriter,
+    ProducerInfo,
+    ProducerManifest,
+    default_dump_dir,
+    is_opted_in,
+    read_dump,
+    read_manifests,
+    request_dir,
+    validate_rid,
+    write_dump,
+    write_error,
+    write_manifest,
+)
+
+PRODUCER = ProducerInfo(name="test", version="0")
+
+
+def meta(rid: str = "hsdump-a", t: int = 4, k: int = 2, h: int = 8, dtype: str = "bfloat16") -> DumpMeta:
+    return DumpMeta(
+        rid=rid, input_ids=list(range(t)), num_tokens=t, layer_ids=list(range(1, k + 1)),
+        final_norm="post_norm", hidden_size=h, dtype=dtype, aux_shape=(t, k, h), final_shape=(t, h),
+        producer=PRODUCER,
+    )  # fmt: skip
+
+
+def arrays(t: int = 4, k: int = 2, h: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(t)
+    return rng.integers(0, 65535, (t, k, h), dtype=np.uint16), rng.integers(0, 65535, (t, h), dtype=np.uint16)
+
+
+def test_round_trip_is_bit_exact(tmp_path: Path) -> None:
+    aux, final = arrays()
+    dump = read_dump(write_dump(tmp_path, meta(), aux, final))
+    assert np.array_equal(dump.aux, aux) and np.array_equal(dump.final, final)
+    assert dump.meta == meta().model_copy(update={"created_at": dump.meta.created_at})
+
+
+def test_float32_dumps_keep_their_dtype(tmp_path: Path) -> None:
+    aux = np.arange(4 * 2 * 8, dtype=np.float32).reshape(4, 2, 8)
+    dump = read_dump(write_dump(tmp_path, meta(dtype="float32"), aux, aux[:, 0].copy()))
+    assert dump.aux.dtype == np.float32 and np.array_equal(dump.aux, aux)
+
+
+def test_published_dir_appears_complete_with_done_marker(tmp_path: Path) -> None:
+    path = write_dump(tmp_path, meta(), *arrays())
+    assert path == request_dir(tmp_path, "hsdump-a")
+    assert {p.name for p in path.iterdir()} == {"meta.json", "aux.bin", "final.bin", "done"}
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp dir left
+
+
+def test_chunks_in_any_order_assemble_into_one_dump(tmp_path: Path) -> None:
+    aux, final = arrays(t=10)
+    with DumpWriter(tmp_path, "hsdump-c", num_tokens=10, num_layers=2, hidden_size=8, dtype="bfloat16") as w:
+        for lo, hi in ((6, 10), (0, 3), (3, 6)):
+            w.write_rows(lo, aux[lo:hi], final[lo:hi])
+        path = w.publish(meta("hsdump-c", t=10))
+    dump = read_dump(path)
+    assert np.array_equal(dump.aux, aux) and np.array_equal(dump.final, final)
+
+
+@pytest.mark.parametrize("spans", [[(0, 3)], [(0, 3), (2, 10)], [(1, 10)]])
+def test_publish_refuses_incomplete_or_overlapping_coverage(tmp_path: Path, spans: list) -> None:
+    aux, final = arrays(t=10)
+    with DumpWriter(tmp_path, "hsdump-c", num_tokens=10, num_layers=2, hidden_size=8, dtype="bfloat16") as w:
+        for lo, hi in spans:
+            w.write_rows(lo, aux[lo:hi], final[lo:hi])
+        with pytest.raises(ValueError, match="do not cover"):
+            w.publish(meta("hsdump-c", t=10))
+    assert list(tmp_path.iterdir()) == []  # the context manager removed the temp dir
+
+
+def test_rows_outside_the_prompt_are_refused(tmp_path: Path) -> None:
+    aux, final = arrays(t=4)
+    with DumpWriter(tmp_path, "hsdump-c", num_tokens=3, num_layers=2, hidden_size=8, dtype="bfloat16") as w:
+        with pytest.raises(ValueError, match="outside"):
+            w.write_rows(0, aux, final)
+
+
+def test_error_marker_reads_as_dump_failed_with_the_reason(tmp_path: Path) -> None:
+    path = write_error(tmp_path, "hsdump-e", "prefix cache hit of 64 tokens", PRODUCER)
+    with pytest.raises(DumpFailed, match="prefix cache hit of 64 tokens") as info:
+        read_dump(path, sample_id="s9")
+    assert info.value.sample_id == "s9" and info.value.rid == "hsdump-e"
+
+
+def test_truncated_tensor_file_is_a_validation_error(tmp_path: Path) -> None:
+    path = write_dump(tmp_path, meta(), *arrays())
+    (path / "aux.bin").write_bytes(b"\0" * 10)
+    with pytest.raises(DumpValidationError, match="holds 10 bytes"):
+        read_dump(path)
+
+
+def test_meta_with_inconsistent_shapes_is_refused(tmp_path: Path) -> None:
+    path = write_dump(tmp_path, meta(), *arrays())
+    data = json.loads((path / "meta.json").read_text())
+    data["num_tokens"] = 5
+    (path / "meta.json").write_text(json.dumps(data))
+    with pytest.raises(DumpValidationError, match="meta.json"):
+        read_dump(path)
+
+
+def test_meta_is_json_and_tensors_are_raw_bytes_never_pickle(tmp_path: Path) -> None:
+    path = write_dump(tmp_path, meta(), *arrays())
+    json.loads((path / "meta.json").read_text())
+    assert (path / "aux.bin").stat().st_size == 4 * 2 * 8 * 2
+
+
+@pytest.mark.parametrize("rid", ["../x", "a/b", "", ".x", "x" * 201, "a b", "..", "-x"])
+def test_unsafe_rids_are_refused(rid: str) -> None:
+    with pytest.raises(ValueError):
+        validate_rid(rid)
+    assert not is_opted_in(rid, prefix="")
+
+
+def test_only_prefixed_rids_opt_in() -> None:
+    assert is_opted_in("hsdump-abc")
+    assert not is_opted_in("HEALTH_CHECK_1") and not is_opted_in("0f3a") and not is_opted_in(None)
+
+
+def test_dump_dir_comes_from_the_environment_at_call_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HSDUMP_DUMP_DIR", raising=False)
+    assert default_dump_dir() == Path("/dev/shm/hsdump")
+    monkeypatch.setenv("HSDUMP_DUMP_DIR", "/tmp/elsewhere")
+    assert default_dump_dir() == Path("/tmp/elsewhere")
+
+
+def test_manifests_announce_producers(tmp_path: Path) -> None:
+    with pytest.raises(ServerNotDumping, match="no server is dumping"):
+        read_manifests(tmp_path)
+    m = ProducerManifest(
+        producer=PRODUCER, layer_ids=[2, 4], final_norm="post_norm", hidden_size=8, dtype="bfloat16",
+        capabilities=Capabilities(chunked_prefill_assembly=True, prefix_cache_guard=True),
+    )  # fmt: skip
+    write_manifest(tmp_path, m)
+    (found,) = read_manifests(tmp_path)
+    assert found == m and found.is_alive()
+    assert not found.model_copy(update={"pid": 2**22 + 12345}).is_alive()
