@@ -1,0 +1,42 @@
+"""The single entry point for checks: `nox -s tests`, `nox -s lint`, `nox -s mypy`, `nox -s bench`."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+# torch is pinned to the CPU build for development and CI; the package only asks for a range.
+INSTALL = ("-c", "constraints.txt", "-e", ".[test]")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the test suite (CPU only; the GPU script lives in tests/gpu/)."""
+    session.install(*INSTALL)
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff: lint and formatting."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def mypy(session: nox.Session) -> None:
+    """Type-check the package."""
+    session.install(*INSTALL, "mypy>=1.10")
+    session.run("mypy")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks: each prints its figures, the target, and the command that reproduces it."""
+    session.install(*INSTALL)
+    quick = ["--quick"] if "--quick" in session.posargs else []
+    session.run("python", "benchmarks/bench_store.py", *quick)
+    session.run("python", "benchmarks/bench_pipeline.py", *quick)
