@@ -204,7 +204,11 @@ def failures_path_for(store_path: str | os.PathLike[str]) -> Path:
 
 
 class _FailureLog:
-    """Appends failures to the JSONL file as they happen, so a killed run keeps them."""
+    """Appends failures to the JSONL file as they happen, so a killed run keeps them.
+
+    The file is this run's record: a stale one is removed at the start, and none is written
+    when nothing fails.
+    """
 
     def __init__(self, path: Path | None):
         self.path = path
@@ -212,16 +216,22 @@ class _FailureLog:
 
     def __enter__(self) -> _FailureLog:
         if self.path is not None:
-            try:
-                self._file = open(self.path, "w", encoding="utf-8")
-            except OSError as exc:
-                raise ConfigError(f"cannot write the failures file {self.path}: {exc}") from exc
+            self._guard(self.path.unlink, missing_ok=True)
         return self
 
     def record(self, failure: Failure) -> None:
-        if self._file is not None:
-            self._file.write(failure.to_json() + "\n")
-            self._file.flush()
+        if self.path is None:
+            return
+        if self._file is None:
+            self._file = self._guard(open, self.path, "w", encoding="utf-8")
+        self._file.write(failure.to_json() + "\n")
+        self._file.flush()
+
+    def _guard(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return call(*args, **kwargs)
+        except OSError as exc:
+            raise ConfigError(f"cannot write the failures file {self.path}: {exc}") from exc
 
     def __exit__(self, *exc_info: object) -> None:
         if self._file is not None:

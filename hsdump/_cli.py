@@ -1,0 +1,367 @@
+"""The ``hsdump`` command line: extract a dataset, serve the reference model, check a store.
+
+Exit codes: 0 everything succeeded; 1 some samples or dataset lines failed (see the failures
+file) or a store check found damage; 2 the run could not start (bad arguments, server
+unreachable, store locked...); 130 interrupted (rerun the same command to resume).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import shutil
+import signal
+import tempfile
+from collections.abc import Callable, Iterator
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from hsdump._exceptions import HsdumpError
+
+__all__ = ["app", "main"]
+
+EXIT_OK, EXIT_FAILURES, EXIT_ERROR, EXIT_INTERRUPTED = 0, 1, 2, 130
+T = TypeVar("T")
+
+app = typer.Typer(
+    name="hsdump",
+    help="Extract verified hidden states from an inference server into a compressed Zarr store.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+out = Console()
+
+EXTRACT_HELP = """Extract every sample of a JSONL DATASET into the store OUT.
+
+Each line is {"id": ..., "input_ids": [...], "loss_mask": [...]} ("text" or chat "messages"
+with --tokenizer). A rerun skips the samples already stored; failures are recorded in
+OUT.failures.jsonl.
+
+\b
+Examples:
+  hsdump extract bundled --out sample.zarr                  # built-in model, bundled data
+  hsdump extract data.jsonl --out hs.zarr --server-url http://127.0.0.1:30000 \\
+      --dump-dir /dev/shm/hsdump --concurrency 8            # a real SGLang server
+"""
+
+
+def _data_path(dataset: str) -> Path:
+    if dataset != "bundled":
+        return Path(dataset)
+    return Path(str(resources.files("hsdump") / "data" / "sample.jsonl"))
+
+
+def _setup_logging(verbose: bool) -> None:
+    if verbose:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+
+
+def _run_guarded(job: Callable[[], int]) -> None:
+    """Run a command body: one-line errors, never a traceback, and meaningful exit codes."""
+    try:
+        code = job()
+    except HsdumpError as exc:
+        console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        code = EXIT_ERROR
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]: committed samples are kept; rerun to resume")
+        code = EXIT_INTERRUPTED
+    raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def _server(
+    server_url: str | None, dump_dir: Path | None, model: Path | None
+) -> Iterator[tuple[str, Path | None]]:
+    """The server to use: the one given, or an embedded reference server while the run lasts."""
+    if server_url is not None:
+        yield server_url, dump_dir
+        return
+    from hsdump._reference import ReferenceServer
+
+    owned = dump_dir is None
+    root = dump_dir or Path(tempfile.mkdtemp(prefix="hsdump-", dir=_shm()))
+    try:
+        console.print(f"starting the reference server ({model or 'built-in model'})")
+        with ReferenceServer(model, dump_dir=root) as server:
+            yield server.url, root
+    finally:
+        if owned:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _shm() -> str | None:
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+
+
+class _ProgressView:
+    """Rich progress: samples, tokens/s, MB/s, compression ratio, ETA by tokens, failures."""
+
+    def __init__(self) -> None:
+        self.summary: Any = None
+        self._progress = Progress(
+            TextColumn("[bold]extract"),
+            BarColumn(),
+            TextColumn("{task.fields[samples]} samples"),
+            TextColumn("{task.fields[rate]}"),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[failed]}"),
+            console=console,
+            transient=False,
+        )
+        self._task = self._progress.add_task("extract", total=None, samples="", rate="", failed="")
+
+    def __call__(self, summary: Any) -> None:
+        self.summary = summary
+        ratio = "-" if math.isnan(summary.ratio) else f"{summary.ratio:.2f}x"
+        self._progress.update(
+            self._task,
+            total=summary.tokens_total,
+            completed=summary.tokens_done,
+            samples=f"{summary.samples_done}/{summary.samples_total}",
+            rate=f"{summary.tokens_per_s:,.0f} tok/s {summary.bytes_per_s / 1e6:.1f} MB/s {ratio}",
+            failed=f"[red]{len(summary.failures)} failed" if summary.failures else "",
+        )
+
+    def __enter__(self) -> _ProgressView:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._progress.stop()
+
+
+def _print_summary(summary: Any, failures_path: Path) -> None:
+    ratio = "n/a" if math.isnan(summary.ratio) else f"{summary.ratio:.2f}x"
+    state = "interrupted" if summary.interrupted else "done"
+    console.print(
+        f"{state}: {summary.samples_done} samples written, {summary.skipped} skipped, "
+        f"{summary.tokens_done:,} tokens, {summary.bytes_raw / 1e6:.1f} MB raw, "
+        f"{summary.bytes_stored / 1e6:.1f} MB stored ({ratio}), {summary.wall_s:.1f} s, "
+        f"{summary.tokens_per_s:,.0f} tokens/s, {len(summary.failures)} failed",
+        highlight=False,
+    )
+    if summary.failures:
+        console.print(f"[red]failures recorded in {failures_path}[/]", highlight=False)
+
+
+async def _extract(options: dict[str, Any], url: str, dump_dir: Path | None) -> int:
+    from hsdump._client import HiddenStateClient
+    from hsdump._inputs import InputLimits, load_tokenizer, read_dataset
+    from hsdump._pipeline import Failure, failures_path_for, run_extraction
+    from hsdump._store import open_store
+
+    tokenizer = load_tokenizer(options["tokenizer"]) if options["tokenizer"] else None
+    client = HiddenStateClient(
+        url,
+        dump_dir=dump_dir,
+        max_in_flight=options["concurrency"],
+        dump_timeout=options["dump_timeout"],
+    )
+    async with client:
+        limits = InputLimits.from_server_info(client.server_info)
+        dataset = read_dataset(options["dataset"], limits=limits, tokenizer=tokenizer)
+        for bad in dataset.bad_lines:
+            console.print(f"[red]bad line[/] {bad.error}", highlight=False, soft_wrap=True)
+        prior = [
+            Failure(b.sample_id, b.line, "InputError", str(b.error), 0) for b in dataset.bad_lines
+        ]
+        failures_path = failures_path_for(options["out"])
+        store_options = {"shard_tokens": options["shard_tokens"]} if options["shard_tokens"] else {}
+        with open_store(options["out"], "a", **store_options) as store, _ProgressView() as view:
+            summary = await run_extraction(
+                dataset.samples,
+                client=client,
+                store=store,
+                retries=options["retries"],
+                concurrency=options["concurrency"],
+                failures_path=failures_path,
+                fail_fast=options["fail_fast"],
+                progress=view,
+                line_numbers=dataset.line_numbers,
+                prior_failures=prior,
+            )
+    _print_summary(summary, failures_path)
+    return EXIT_OK if summary.ok else EXIT_FAILURES
+
+
+@app.command(help=EXTRACT_HELP)
+def extract(
+    dataset: Annotated[str, typer.Argument(help="JSONL dataset, or 'bundled' for the sample.")],
+    out: Annotated[Path, typer.Option("--out", "-o", help="The Zarr store to write (resumed).")],
+    server_url: Annotated[
+        str | None, typer.Option(help="A running server; none: start the reference server.")
+    ] = None,
+    dump_dir: Annotated[
+        Path | None, typer.Option(help="The server's dump root (HSDUMP_DUMP_DIR).")
+    ] = None,
+    model: Annotated[
+        Path | None, typer.Option(help="Model directory for the embedded reference server.")
+    ] = None,
+    concurrency: Annotated[int, typer.Option(min=1, help="Requests at the server at once.")] = 1,
+    retries: Annotated[int, typer.Option(min=0, help="Retries of a transient failure.")] = 3,
+    fail_fast: Annotated[bool, typer.Option(help="Stop at the first failure.")] = False,
+    tokenizer: Annotated[
+        Path | None, typer.Option(help="Local tokenizer directory for 'text'/'messages' lines.")
+    ] = None,
+    dump_timeout: Annotated[float, typer.Option(help="Seconds to wait for a dump.")] = 60.0,
+    shard_tokens: Annotated[
+        int | None, typer.Option(help="Tokens per store shard (store default when unset).")
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each sample.")] = False,
+) -> None:
+    """Extract a dataset into a store (see EXTRACT_HELP)."""
+    _setup_logging(verbose)
+    if server_url is None and dump_dir is not None and not dump_dir.is_dir():
+        dump_dir.mkdir(parents=True, exist_ok=True)
+    options = {
+        "dataset": _data_path(dataset),
+        "out": out,
+        "concurrency": concurrency,
+        "retries": retries,
+        "fail_fast": fail_fast,
+        "tokenizer": tokenizer,
+        "dump_timeout": dump_timeout,
+        "shard_tokens": shard_tokens,
+    }
+
+    def job() -> int:
+        import anyio
+
+        with _server(server_url, dump_dir, model) as (url, root):
+            return anyio.run(_extract, options, url, root)
+
+    _run_guarded(job)
+
+
+@app.command("serve-reference")
+def serve_reference(
+    model: Annotated[
+        Path | None, typer.Option(help="Local transformers model directory; none: built-in.")
+    ] = None,
+    dump_dir: Annotated[
+        Path | None, typer.Option(help="Dump root (default $HSDUMP_DUMP_DIR or /dev/shm/hsdump).")
+    ] = None,
+    host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port (0: any free port).")] = 30000,
+    layer_ids: Annotated[
+        str | None, typer.Option(help="Comma-separated aux layer ids (default 2,N//2,N-3).")
+    ] = None,
+    device: Annotated[
+        str | None, typer.Option(help="cpu or cuda (default: cuda if present).")
+    ] = None,
+) -> None:
+    """Serve a transformers model with SGLang's API, dumping hidden states like SGLang + hsdump.
+
+    \b
+    Examples:
+      hsdump serve-reference --dump-dir /dev/shm/hsdump --port 30000
+      hsdump serve-reference --model ./my-llama --layer-ids 1,8,13
+    """
+    from hsdump._exceptions import ConfigError
+
+    def job() -> int:
+        from hsdump._reference import ReferenceServer
+
+        try:
+            layers = [int(x) for x in layer_ids.split(",")] if layer_ids else None
+        except ValueError as exc:
+            raise ConfigError(
+                f"--layer-ids takes comma-separated integers, got {layer_ids!r}"
+            ) from exc
+        stop = _block_stop_signals()  # before the server's threads start: they inherit it
+        server = ReferenceServer(
+            model, dump_dir=dump_dir, host=host, port=port, layer_ids=layers, device=device
+        )
+        with server:
+            console.print(
+                f"serving on {server.url}, layers {server.layer_ids} -> {server.dump_dir}"
+            )
+            console.print(
+                f"extract with: hsdump extract DATASET --out STORE --server-url {server.url} "
+                f"--dump-dir {server.dump_dir}",
+                soft_wrap=True,
+            )
+            signal.sigwait(stop)
+        return EXIT_OK
+
+    _run_guarded(job)
+
+
+def _block_stop_signals() -> set[signal.Signals]:
+    """Hold SIGINT/SIGTERM for ``sigwait``, so the server stops cleanly on either."""
+    stop = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    return stop
+
+
+@app.command("verify-store")
+def verify_store(store: Annotated[Path, typer.Argument(help="The Zarr store to check.")]) -> None:
+    """Re-read every committed sample and compare its checksum.
+
+    \b
+    Example:
+      hsdump verify-store hs.zarr
+    """
+
+    def job() -> int:
+        from hsdump._store import verify_store as verify
+
+        report = verify(store)
+        for bad in report.corrupted:
+            console.print(
+                f"[red]corrupted[/] {bad.sample_id} ({bad.part}): {bad.reason}", highlight=False
+            )
+        for sample_id in report.duplicates:
+            console.print(f"[red]duplicate[/] {sample_id}", highlight=False)
+        out.print(
+            f"checked {report.checked} samples: {report.ok} intact, "
+            f"{len(report.corrupted)} corrupted, {len(report.duplicates)} duplicated"
+        )
+        return EXIT_OK if report.clean else EXIT_FAILURES
+
+    _run_guarded(job)
+
+
+@app.command()
+def stats(store: Annotated[Path, typer.Argument(help="The Zarr store to summarise.")]) -> None:
+    """Per-layer data-quality summary: count, mean, std, max |x|, non-finite values.
+
+    \b
+    Example:
+      hsdump stats hs.zarr
+    """
+
+    def job() -> int:
+        from hsdump._store import open_store
+
+        with open_store(store, "r") as opened:
+            layers = opened.stats()
+            out.print(f"{len(opened)} samples, {opened.num_tokens:,} tokens in {store}")
+        table = Table("layer", "values", "mean", "std", "max |x|", "non-finite")
+        for layer in layers:
+            row = layer.summary()
+            table.add_row(
+                str(row["layer"]), f"{row['count']:,}", f"{row['mean']:.4g}", f"{row['std']:.4g}",
+                f"{row['max_abs']:.4g}", str(row["non_finite"]),
+            )  # fmt: skip
+        out.print(table)
+        return EXIT_FAILURES if any(layer.non_finite for layer in layers) else EXIT_OK
+
+    _run_guarded(job)
+
+
+def main() -> None:
+    """The ``hsdump`` console script."""
+    app()
