@@ -1,0 +1,99 @@
+"""Plugin settings, read from ``HSDUMP_*`` environment variables at call time.
+
+The server's scheduler processes inherit the launcher's environment, so one ``export`` before
+``python -m sglang.launch_server`` configures every rank.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from hsdump._protocol import DEFAULT_RID_PREFIX, ENV_DUMP_DIR
+
+__all__ = ["PluginConfig", "dump_enabled", "load_config"]
+
+_MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """Everything the plugin reads from the environment.
+
+    Attributes:
+        dump_dir: The dump root (``HSDUMP_DUMP_DIR``).
+        layer_ids: Aux layers to capture in the transformers convention (``HSDUMP_LAYER_IDS``,
+            comma-separated; id ``i`` is the input of decoder layer ``i``), or None for the
+            model's EAGLE-3 default.
+        rid_prefix: Only requests whose rid starts with this are dumped (``HSDUMP_RID_PREFIX``).
+        pinned_bytes: Size of the pinned host staging buffer (``HSDUMP_PINNED_MB``).
+        max_pending_bytes: Bound on bytes published but not yet consumed plus bytes being written
+            (``HSDUMP_MAX_PENDING_MB``); the writer waits above it.
+        min_free_bytes: Free space the dump root's filesystem keeps (``HSDUMP_MIN_FREE_MB``).
+        space_timeout_s: How long a dump waits for space before it is published as an error
+            (``HSDUMP_SPACE_TIMEOUT_S``).
+        partial_ttl_s: A partly assembled request not seen for this long is dropped, e.g. after an
+            abort (``HSDUMP_PARTIAL_TTL_S``).
+    """
+
+    dump_dir: Path
+    layer_ids: tuple[int, ...] | None = None
+    rid_prefix: str = DEFAULT_RID_PREFIX
+    pinned_bytes: int = 1024 * _MIB
+    max_pending_bytes: int = 16384 * _MIB
+    min_free_bytes: int = 1024 * _MIB
+    space_timeout_s: float = 600.0
+    partial_ttl_s: float = 600.0
+
+
+def dump_enabled() -> bool:
+    """Whether ``HSDUMP_DUMP_DIR`` is set: the plugin does nothing otherwise."""
+    return bool(os.environ.get(ENV_DUMP_DIR))
+
+
+def load_config() -> PluginConfig:
+    """Read the settings; raises ``ValueError`` naming the variable that is malformed."""
+    root = os.environ.get(ENV_DUMP_DIR)
+    if not root:
+        raise ValueError(f"{ENV_DUMP_DIR} is not set: name the dump root, e.g. /dev/shm/hsdump")
+    return PluginConfig(
+        dump_dir=Path(root),
+        layer_ids=_layer_ids(os.environ.get("HSDUMP_LAYER_IDS", "")),
+        rid_prefix=os.environ.get("HSDUMP_RID_PREFIX") or DEFAULT_RID_PREFIX,
+        pinned_bytes=_number("HSDUMP_PINNED_MB", 1024) * _MIB,
+        max_pending_bytes=_number("HSDUMP_MAX_PENDING_MB", 16384) * _MIB,
+        min_free_bytes=_number("HSDUMP_MIN_FREE_MB", 1024) * _MIB,
+        space_timeout_s=float(_number("HSDUMP_SPACE_TIMEOUT_S", 600)),
+        partial_ttl_s=float(_number("HSDUMP_PARTIAL_TTL_S", 600)),
+    )
+
+
+def _layer_ids(text: str) -> tuple[int, ...] | None:
+    if not text.strip():
+        return None
+    try:
+        ids = tuple(int(part) for part in text.replace(" ", "").split(","))
+    except ValueError:
+        raise ValueError(
+            f"HSDUMP_LAYER_IDS={text!r} is not a comma-separated list of integers, e.g. 2,30,58"
+        ) from None
+    if list(ids) != sorted(set(ids)) or ids[0] < 1:
+        raise ValueError(
+            f"HSDUMP_LAYER_IDS={text!r} must be increasing, distinct and >= 1 "
+            "(id i is the input of decoder layer i; 0, the embeddings, cannot be captured)"
+        )
+    return ids
+
+
+def _number(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not an integer") from None
+    if value <= 0:
+        raise ValueError(f"{name}={text!r} must be positive")
+    return value

@@ -1,0 +1,110 @@
+"""GPU benchmark: prefill tokens/s of ``hsdump extract`` against the same requests sent by a plain
+client with dumping off (rids without the opt-in prefix), side by side on one server.
+
+``--mode plain`` sends only the plain client's requests (for a server started without the plugin).
+Results are appended as JSON lines to ``$OUT/bench.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shutil
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+LENGTHS = {512: 128, 2048: 32}  # prompt length -> prompts (65,536 tokens each)
+
+
+def dataset(length: int, count: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [
+        {"id": f"L{length}-{i}", "input_ids": [rng.randrange(32000) for _ in range(length)]}
+        for i in range(count)
+    ]
+
+
+async def plain(url: str, samples: list[dict], concurrency: int) -> float:
+    """Seconds for a plain client to prefill ``samples`` (max_new_tokens 0, no opt-in rid)."""
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=300) as client:
+
+        async def one(s: dict) -> None:
+            async with sem:
+                body = {
+                    "rid": f"plain-{uuid.uuid4().hex}",
+                    "input_ids": s["input_ids"],
+                    "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+                    "extra_key": uuid.uuid4().hex,
+                }
+                (await client.post(f"{url}/generate", json=body)).raise_for_status()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(s) for s in samples))
+        return time.perf_counter() - t0
+
+
+def extract(
+    url: str, dump_dir: str, samples: list[dict], concurrency: int, out: Path, tag: str
+) -> float:
+    work = Path(f"/tmp/bench_{tag}")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    (work / "data.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+    cmd = [
+        "hsdump", "extract", str(work / "data.jsonl"), "--out", str(work / "store"),
+        "--server-url", url, "--dump-dir", dump_dir, "--concurrency", str(concurrency),
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    seconds = time.perf_counter() - t0
+    (out / "bench_extract.log").open("a").write(
+        f"## {tag}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}\n"
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"hsdump extract failed ({proc.returncode}): {proc.stderr[-1500:]}")
+    shutil.rmtree(work, ignore_errors=True)
+    return seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--url", default="http://127.0.0.1:30000")
+    p.add_argument("--dump-dir", default="")
+    p.add_argument("--mode", choices=["both", "plain"], default="both")
+    p.add_argument("--server", required=True, help="label of the server configuration")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    out = Path(args.out)
+    asyncio.run(plain(args.url, dataset(512, 16, 99), 4))  # warm-up (JIT)
+    for length, count in LENGTHS.items():
+        samples = dataset(length, count, length)
+        tokens = length * count
+        for conc in (1, 8):
+            rows = [("plain", asyncio.run(plain(args.url, samples, conc)))]
+            if args.mode == "both":
+                rows.append(
+                    (
+                        "extract",
+                        extract(args.url, args.dump_dir, samples, conc, out, f"{length}-{conc}"),
+                    )
+                )
+            for client, seconds in rows:
+                rec = {
+                    "server": args.server, "client": client, "len": length, "concurrency": conc,
+                    "tokens": tokens, "seconds": round(seconds, 3),
+                    "tok_per_s": round(tokens / seconds),
+                }  # fmt: skip
+                print(json.dumps(rec), flush=True)
+                with (out / "bench.jsonl").open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
+
+
+if __name__ == "__main__":
+    main()

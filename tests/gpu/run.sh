@@ -1,0 +1,111 @@
+#!/bin/bash
+# GPU validation of sglang_patch on real SGLang 0.5.17 (one H200), from the repository root:
+#   bash tests/gpu/run.sh [tiny_a] [tiny_b] [bench] [bench_plain]      (default: all four)
+# Needs .gpu/ (a copy of the SGLang bundle folder) and .whl/ (zarr, numcodecs, watchfiles, donfig,
+# google-crc32c wheels for Python 3.12). Writes logs and JSON results to $OUT.
+#   tiny_a       tiny random Llama, CUDA graphs off, radix cache off, chunked prefill 256,
+#                HSDUMP_LAYER_IDS=1,4,7, started through `python -m sglang_patch.launch_server`
+#   tiny_b       the same model, CUDA graphs on (decode + breakable prefill graphs), radix cache on,
+#                chunked prefill 256, the model's default EAGLE-3 layers, started through
+#                `python -m sglang.launch_server` (plugin found by its entry point)
+#   bench        ~1B random Llama with the plugin: hsdump extract vs a plain client, concurrency 1, 8
+#   bench_plain  the same server without the plugin (server alone), plain client only
+set -u -o pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+REPO=$(pwd)
+STAGES=${*:-tiny_a tiny_b bench bench_plain}
+PORT=30000; URL=http://127.0.0.1:$PORT
+status=0
+
+setup() {
+  [ -d /tmp/site/sglang ] || python3 -c "import sys,tarfile;tarfile.open(sys.argv[1]).extractall('/tmp/site')" .gpu/sglang-0.5.17-site.tar.xz
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  # The documented server-side install: the checkout without its dependencies (registers the entry point).
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/hs "$REPO" || exit 1
+  export PYTHONPATH=/tmp/hs:/tmp/site PATH=/tmp/hs/bin:$PATH SGLANG_IS_FLASHINFER_AVAILABLE=false PYTHONUNBUFFERED=1
+  python3 -c "import sglang, torch, importlib.metadata as m; print('sglang', sglang.__version__, 'torch', torch.__version__, [e.value for e in m.entry_points(group='sglang.srt.plugins')])"
+  nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+}
+
+start_server() {  # name, launcher module, extra args...
+  local name=$1 module=$2; shift 2
+  rm -rf "${HSDUMP_DUMP_DIR:-/nonexistent}"
+  python3 -m "$module" --skip-tokenizer-init --attention-backend triton --sampling-backend pytorch \
+    --host 127.0.0.1 --port $PORT "$@" > "$OUT/server_$name.log" 2>&1 &
+  SP=$!
+  local t0=$SECONDS
+  until curl -s -m 2 $URL/health > /dev/null 2>&1; do
+    kill -0 $SP 2> /dev/null || { echo "server $name died"; tail -40 "$OUT/server_$name.log"; return 1; }
+    [ $((SECONDS - t0)) -gt 240 ] && { echo "server $name not up in 240 s"; return 1; }
+    sleep 1
+  done
+  echo "server $name up after $((SECONDS - t0)) s"
+  grep -h "hsdump" "$OUT/server_$name.log" | head -5
+}
+
+stop_server() {
+  kill $SP 2> /dev/null; wait $SP 2> /dev/null
+  sleep 2
+}
+
+tiny() {  # name, expected layers, launcher module, server args...
+  local name=$1 layers=$2 module=$3; shift 3
+  [ -d /tmp/tiny ] || python3 .gpu/make_tiny_llama.py /tmp/tiny > /dev/null
+  start_server "$name" "$module" --model-path /tmp/tiny --mem-fraction-static 0.2 \
+    --enable-return-hidden-states --chunked-prefill-size 256 "$@" || { status=1; return; }
+  curl -s $URL/server_info > "$OUT/server_info_$name.json"
+  local radix=""; [[ " $* " == *" --disable-radix-cache "* ]] || radix=--radix
+  python3 tests/gpu/probe_dump.py --name "$name" --url $URL --dump-dir "$HSDUMP_DUMP_DIR" \
+    --model /tmp/tiny --out "$OUT" $radix > "$OUT/probe_$name.log" 2>&1 || status=1
+  tail -30 "$OUT/probe_$name.log"
+  if hsdump extract --help > /dev/null 2>&1; then
+    python3 tests/gpu/check_tiny.py --name "$name" --url $URL --dump-dir "$HSDUMP_DUMP_DIR" \
+      --model /tmp/tiny --out "$OUT" --expect-layers "$layers" > "$OUT/check_$name.log" 2>&1 || status=1
+    tail -60 "$OUT/check_$name.log"
+  else
+    echo "hsdump extract is not available: extraction check skipped"; status=1
+  fi
+  ls -la "$HSDUMP_DUMP_DIR" "$HSDUMP_DUMP_DIR/_producers" >> "$OUT/check_$name.log" 2>&1
+  stop_server
+  grep -hE "Traceback|hsdump.*(fail|error)" "$OUT/server_$name.log" | head -10
+}
+
+make_1b() {
+  [ -d /tmp/m1b ] && return
+  python3 - << 'PY'
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=8192)
+with torch.device("cuda"):
+    m = LlamaForCausalLM(cfg).to(torch.bfloat16)
+m.save_pretrained("/tmp/m1b")
+PY
+}
+
+BENCH_ARGS=(--model-path /tmp/m1b --disable-radix-cache --disable-cuda-graph --mem-fraction-static 0.5)
+
+setup
+for stage in $STAGES; do
+  echo "=== $stage"
+  case $stage in
+    tiny_a) export HSDUMP_DUMP_DIR=/dev/shm/hsdump-a HSDUMP_LAYER_IDS=1,4,7
+            tiny tiny_a 1,4,7 sglang_patch.launch_server --disable-cuda-graph --disable-radix-cache
+            unset HSDUMP_DUMP_DIR HSDUMP_LAYER_IDS ;;
+    tiny_b) export HSDUMP_DUMP_DIR=/dev/shm/hsdump-b
+            tiny tiny_b 2,4,5 sglang.launch_server --cuda-graph-max-bs 16
+            unset HSDUMP_DUMP_DIR ;;
+    bench) make_1b
+           export HSDUMP_DUMP_DIR=/dev/shm/hsdump-bench
+           start_server bench sglang.launch_server "${BENCH_ARGS[@]}" --enable-return-hidden-states || { status=1; continue; }
+           python3 tests/gpu/bench.py --server plugin --url $URL --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" || status=1
+           stop_server; unset HSDUMP_DUMP_DIR ;;
+    bench_plain) make_1b
+           start_server bench_plain sglang.launch_server "${BENCH_ARGS[@]}" || { status=1; continue; }
+           python3 tests/gpu/bench.py --server alone --mode plain --url $URL --out "$OUT" || status=1
+           stop_server ;;
+  esac
+done
+echo "=== done, status $status"
+exit $status
