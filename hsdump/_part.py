@@ -2,9 +2,9 @@
 
 Layout of ``part-<writer_id>/``::
 
-    zarr.json            attributes["hsdump_part"]: PartState, rewritten atomically = the commit point
-    hidden     [tokens, K+1, H]  float bits (uint16 for bf16); rows of one sample are contiguous,
-                                 each sample starts on an inner-chunk boundary; K aux layers, then final
+    zarr.json        attributes["hsdump_part"]: PartState, rewritten atomically (the commit point)
+    hidden     [tokens, K+1, H]  float bits (uint16 for bf16): K aux layers, then the final state;
+                                 a sample's rows are contiguous and start on a chunk boundary
     input_ids  [tokens]          int32
     loss_mask  [tokens]          uint8
     index/rows      [n, 4] int64 offset, length, has_mask, crc32 of the sample's stored bytes
@@ -12,9 +12,9 @@ Layout of ``part-<writer_id>/``::
 
 Samples are gathered in an in-RAM shard buffer and a shard is written once it is full (appending to
 an existing shard would make zarr read and rewrite it whole). A sample is committed when all of its
-rows are on disk: its index row is written, then the counter in ``zarr.json``. ``flush()`` writes the
-partial shard too. On resume the committed head of the open shard is reloaded into the buffer, or
-the next full-shard write would zero it.
+rows are on disk: its index row is written, then the counter in ``zarr.json``. ``flush()`` writes
+the partial shard too. On resume the committed head of the open shard is reloaded into the buffer,
+or the next full-shard write would zero it.
 """
 
 from __future__ import annotations
@@ -164,11 +164,15 @@ class PartWriter:
         if mask is not None:
             crc = zlib.crc32(mask, crc)
         raw = aux.nbytes + final.nbytes
-        self._pending.append(_Pending(sample_id, offset, length, int(mask is not None), crc, raw, stats))
+        self._pending.append(
+            _Pending(sample_id, offset, length, int(mask is not None), crc, raw, stats)
+        )
         self.pending_ids.add(sample_id)
         self._commit_ready()
 
-    def _place(self, aux: np.ndarray, final: np.ndarray, ids: np.ndarray, mask: np.ndarray | None) -> int:
+    def _place(
+        self, aux: np.ndarray, final: np.ndarray, ids: np.ndarray, mask: np.ndarray | None
+    ) -> int:
         layout = self._layout
         shard, k_aux = layout.shard_tokens, aux.shape[1]
         length, pos, crc = aux.shape[0], 0, 0
@@ -240,7 +244,9 @@ class PartWriter:
         key = f"{hidden.path}/{hidden.metadata.encode_chunk_key((shard, 0, 0))}"
         size = sync(hidden.store.getsize(key))
         state = self.state
-        stored = state.bytes_stored + size - (state.open_shard_bytes if shard == state.open_shard else 0)
+        stored = (
+            state.bytes_stored + size - (state.open_shard_bytes if shard == state.open_shard else 0)
+        )
         self.index.state = state.model_copy(
             update={"bytes_stored": stored, "open_shard": shard, "open_shard_bytes": size}
         )
@@ -307,8 +313,17 @@ class PartWriter:
         self.group.create_array("input_ids", shape=(tokens,), dtype="int32", **small)
         self.group.create_array("loss_mask", shape=(tokens,), dtype="uint8", **small)
         idx = {"compressors": small_compressors()}
-        self.group.create_array("index/rows", shape=(_INDEX_CHUNK, 4), chunks=(_INDEX_CHUNK, 4), dtype="int64", fill_value=0, **idx)
-        self.group.create_array("index/sample_id", shape=(_INDEX_CHUNK,), chunks=(_INDEX_CHUNK,), dtype=str, **idx)
+        self.group.create_array(
+            "index/rows",
+            shape=(_INDEX_CHUNK, 4),
+            chunks=(_INDEX_CHUNK, 4),
+            dtype="int64",
+            fill_value=0,
+            **idx,
+        )
+        self.group.create_array(
+            "index/sample_id", shape=(_INDEX_CHUNK,), chunks=(_INDEX_CHUNK,), dtype=str, **idx
+        )
         self._open_arrays(layout)
 
     def _open_arrays(self, layout: PartLayout) -> None:
@@ -346,7 +361,7 @@ class PartWriter:
         self._next = self._flushed_to = -(-end // ct) * ct
         head = self._next % shard
         if head:
-            # The C2 lesson: the next write of this shard rewrites it whole, committed head included.
+            # The next write of this shard rewrites it whole: keep its committed head.
             start = self._open_buffer(self._next)
             self._buf[:head] = self._arrays["hidden"][start : self._next]
             self._ids[:head] = self._arrays["input_ids"][start : self._next]
@@ -368,7 +383,9 @@ class PartWriter:
             for i in range(-(-self._next // per_ids), arr.shape[0] // per_ids):
                 dropped += self._delete_chunk(arr, (i,), sync)
         if dropped:
-            logger.info("part %s: removed %d chunk files past the last commit", self.index.name, dropped)
+            logger.info(
+                "part %s: removed %d chunk files past the last commit", self.index.name, dropped
+            )
 
     @staticmethod
     def _delete_chunk(arr: Any, coords: tuple[int, ...], sync: Any) -> int:

@@ -79,7 +79,7 @@ class PartReader:
         """Why a row's stored bytes are bad, or None when they match the checksum."""
         try:
             bits, ids, mask = self.read_raw(row)
-        except Exception as exc:  # noqa: BLE001 - any decode failure means the bytes are damaged
+        except Exception as exc:  # any decode failure means the bytes are damaged
             return f"cannot decode: {type(exc).__name__}: {exc}"
         crc = zlib.crc32(ids, zlib.crc32(np.ascontiguousarray(bits)))
         if mask is not None:
@@ -88,7 +88,7 @@ class PartReader:
         return None if crc == expected else f"checksum {crc:#010x} != committed {expected:#010x}"
 
     def read(self, row: int, *, verify: bool, where: str) -> HiddenStates:
-        """Read a committed row as :class:`HiddenStates` (bf16 tensors are views of the decoded bits)."""
+        """Read a committed row as :class:`HiddenStates`; tensors are views of the decoded bits."""
         import torch
 
         from hsdump._types import HiddenStates
@@ -112,14 +112,18 @@ class PartReader:
             layer_ids=list(state.provenance.layer_ids),
             loss_mask=None if mask is None else torch.from_numpy(mask),
             meta=None,
-            attrs={"store": where, "part": self.index.name, "provenance": state.provenance.model_dump(mode="json")},
+            attrs={
+                "store": where,
+                "part": self.index.name,
+                "provenance": state.provenance.model_dump(mode="json"),
+            },
         )
 
 
 def _corrupted(sid: str, part: str, where: str, reason: str) -> StoreCorruptedError:
     return StoreCorruptedError(
-        f"stored bytes in {where} ({part}) are damaged: {reason}. Run `hsdump verify-store` to list "
-        "every damaged sample, then regenerate them into a new store",
+        f"stored bytes in {where} ({part}) are damaged: {reason}. Run `hsdump verify-store` to "
+        "list every damaged sample, then regenerate them into a new store",
         sample_id=sid,
     )
 
@@ -141,4 +145,6 @@ def verify_parts(
             bad.append(CorruptSample(sample_id=sid, part=part, reason=reason))
         if progress is not None:
             progress(n)
-    return VerifyReport(checked=len(sample_ids), ok=len(sample_ids) - len(bad), corrupted=bad, duplicates=duplicates)
+    return VerifyReport(
+        checked=len(sample_ids), ok=len(sample_ids) - len(bad), corrupted=bad, duplicates=duplicates
+    )

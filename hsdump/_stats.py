@@ -100,7 +100,9 @@ def tensor_stats(x: torch.Tensor, layers: list[int | str]) -> list[LayerStats]:
             part = _block_stats(block, sums.double().sum(0), norms.double().square().sum(0), None)
         else:
             part = _nonfinite_block_stats(block)
-        total = merge_layer_lists(total, [p.model_copy(update={"layer": n}) for p, n in zip(part, layers, strict=True)])
+        total = merge_layer_lists(
+            total, [p.model_copy(update={"layer": n}) for p, n in zip(part, layers, strict=True)]
+        )
     return total
 
 
@@ -115,7 +117,11 @@ def _block_stats(
         n = rows * hidden - bad_counts[i]
         mean = float(sums[i]) / n if n else 0.0
         m2 = max(float(squares[i]) - n * mean * mean, 0.0)
-        out.append(LayerStats(layer=i, count=n, mean=mean, m2=m2, max_abs=max_abs[i], non_finite=bad_counts[i]))
+        out.append(
+            LayerStats(
+                layer=i, count=n, mean=mean, m2=m2, max_abs=max_abs[i], non_finite=bad_counts[i]
+            )
+        )
     return out
 
 

@@ -31,7 +31,15 @@ from hsdump._exceptions import (
     SampleNotFoundError,
     StoreError,
 )
-from hsdump._part import PART_PREFIX, STATE_KEY, PartIndex, PartLayout, PartState, PartWriter, load_part_index
+from hsdump._part import (
+    PART_PREFIX,
+    STATE_KEY,
+    PartIndex,
+    PartLayout,
+    PartState,
+    PartWriter,
+    load_part_index,
+)
 from hsdump._provenance import Provenance, check_compatible, provenance_of
 from hsdump._reader import PartReader, VerifyReport, verify_parts
 from hsdump._stats import LayerStats, merge_layer_lists, tensor_stats
@@ -60,6 +68,7 @@ def open_store(
     writer_id: str | None = None,
     compression: Compression = "zstd",
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    chunk_tokens: int | None = None,
     verify_reads: bool = False,
 ) -> HiddenStateStore:
     """Open (or create) a hidden-state store.
@@ -72,7 +81,9 @@ def open_store(
             resumes its part; concurrent writers need distinct ids.
         compression: Hidden-state codec: ``"zstd"`` (Blosc zstd level 1, byte shuffle, 1 MiB
             blocks; the default), ``"lz4"`` (faster decode, lower ratio) or ``"none"``.
-        shard_tokens: Tokens per shard file (a multiple of the chunk size is chosen).
+        shard_tokens: Tokens per shard file (rounded up to a multiple of the chunk size).
+        chunk_tokens: Tokens per compressed chunk (default: a power of two giving ~2 MiB
+            chunks). Every sample starts on a chunk boundary.
         verify_reads: Recompute each sample's checksum when it is read.
 
     Returns:
@@ -84,8 +95,10 @@ def open_store(
     """
     if mode not in ("r", "a", "w"):
         raise ConfigError(f"mode must be 'r', 'a' or 'w', got {mode!r}")
-    if shard_tokens < 16:
-        raise ConfigError(f"shard_tokens must be at least 16, got {shard_tokens}")
+    if shard_tokens < 1 or (chunk_tokens is not None and chunk_tokens < 1):
+        raise ConfigError(
+            f"shard_tokens and chunk_tokens must be positive, got {shard_tokens}, {chunk_tokens}"
+        )
     root = _open_root(path, mode)
     return HiddenStateStore(
         root,
@@ -93,6 +106,7 @@ def open_store(
         writer_id=writer_id or DEFAULT_WRITER_ID,
         compression=compression,
         shard_tokens=shard_tokens,
+        chunk_tokens=chunk_tokens,
         verify_reads=verify_reads,
         where=_describe(path),
     )
@@ -118,7 +132,9 @@ def _open_root(path: Any, mode: Mode) -> zarr.Group:
         root = zarr.open_group(store=store, mode="r")
     except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
         if mode == "r":
-            raise StoreError(f"no store at {where}: check the path, or write samples first") from exc
+            raise StoreError(
+                f"no store at {where}: check the path, or write samples first"
+            ) from exc
         return _create_root(store, where)
     except OSError as exc:
         raise _os_error(exc, where) from exc
@@ -176,6 +192,7 @@ class HiddenStateStore:
         writer_id: str,
         compression: Compression,
         shard_tokens: int,
+        chunk_tokens: int | None,
         verify_reads: bool,
         where: str,
     ) -> None:
@@ -185,6 +202,7 @@ class HiddenStateStore:
         self.writer_id = None if mode == "r" else writer_id
         self._compression = compression
         self._shard_tokens = shard_tokens
+        self._chunk_tokens = chunk_tokens
         self._verify_reads = verify_reads
         self._lock = threading.RLock()
         self._lock_fd: int | None = None
@@ -203,8 +221,13 @@ class HiddenStateStore:
         """Reload every part's committed index (sees other writers' new commits)."""
         with self._lock:
             own = self._writer.index if self._writer else None
-            indexes = [own if own and own.name == name else load_part_index(g, name) for name, g in self._parts()]
-            self._readers = {i.name: self._readers.get(i.name) or PartReader(self._root, i) for i in indexes}
+            indexes = [
+                own if own and own.name == name else load_part_index(g, name)
+                for name, g in self._parts()
+            ]
+            self._readers = {
+                i.name: self._readers.get(i.name) or PartReader(self._root, i) for i in indexes
+            }
             for index in indexes:
                 self._readers[index.name].index = index
             self._where, self.duplicates = {}, []
@@ -234,7 +257,9 @@ class HiddenStateStore:
             group = self._root.require_group(name)
             self._lock_fd = _lock_part(self._root, name, self.where)
             if STATE_KEY not in group.attrs:
-                group.update_attributes({STATE_KEY: PartState(writer_id=writer_id).model_dump(mode="json")})
+                group.update_attributes(
+                    {STATE_KEY: PartState(writer_id=writer_id).model_dump(mode="json")}
+                )
             index = load_part_index(group, name)
             writer = PartWriter(group, index, on_commit=self._on_commit)
         except OSError as exc:
@@ -266,7 +291,9 @@ class HiddenStateStore:
         """
         import anyio
 
-        return await anyio.to_thread.run_sync(functools.partial(self.write_sync, hs, if_exists=if_exists))
+        return await anyio.to_thread.run_sync(
+            functools.partial(self.write_sync, hs, if_exists=if_exists)
+        )
 
     def write_sync(self, hs: HiddenStates, *, if_exists: IfExists = "error") -> bool:
         """Write one sample (blocking). It is committed when its shard is written, or on flush.
@@ -296,20 +323,34 @@ class HiddenStateStore:
         from hsdump._codecs import tensor_to_bits
 
         dtype = _check_tensors(hs)
-        prov = provenance_of(hs, dtype, codec_description(self._compression, 2 if dtype != "float32" else 4))
+        prov = provenance_of(
+            hs, dtype, codec_description(self._compression, 2 if dtype != "float32" else 4)
+        )
         self._check_provenance(writer, prov, hs.sample_id)
         layers, hidden = len(hs.layer_ids) + 1, int(hs.final_hidden_state.shape[-1])
         if writer.state.layout is None:
             row_bytes = layers * hidden * hs.final_hidden_state.element_size()
-            ct = chunk_tokens_for(row_bytes, self._shard_tokens)
+            ct = self._chunk_tokens or chunk_tokens_for(row_bytes, self._shard_tokens)
             shard = -(-self._shard_tokens // ct) * ct
-            writer.set_layout(PartLayout(layers=layers, hidden_size=hidden, dtype=dtype, chunk_tokens=ct, shard_tokens=shard, compression=self._compression), prov)
+            writer.set_layout(
+                PartLayout(
+                    layers=layers,
+                    hidden_size=hidden,
+                    dtype=dtype,
+                    chunk_tokens=ct,
+                    shard_tokens=shard,
+                    compression=self._compression,
+                ),
+                prov,
+            )
         elif writer.provenance is None:
             writer.set_layout(writer.state.layout, prov)
         aux, final = hs.aux_hidden_states.detach().cpu(), hs.final_hidden_state.detach().cpu()
         stats = tensor_stats(aux, list(hs.layer_ids)) + tensor_stats(final.unsqueeze(1), ["final"])
         ids = _ids_int32(hs)
-        mask = None if hs.loss_mask is None else hs.loss_mask.detach().cpu().to(dtype=_uint8()).numpy()
+        mask = (
+            None if hs.loss_mask is None else hs.loss_mask.detach().cpu().to(dtype=_uint8()).numpy()
+        )
         writer.add(hs.sample_id, tensor_to_bits(aux), tensor_to_bits(final), ids, mask, stats)
 
     def _check_provenance(self, writer: PartWriter, prov: Provenance, sample_id: str) -> None:
@@ -320,13 +361,17 @@ class HiddenStateStore:
         for reader in self._readers.values():
             other = reader.index.state.provenance
             if other is not None:
-                check_compatible(other, prov, where=f"{self.where} ({reader.index.name})", sample_id=sample_id)
+                check_compatible(
+                    other, prov, where=f"{self.where} ({reader.index.name})", sample_id=sample_id
+                )
 
     def _require_writer(self) -> PartWriter:
         if self._closed:
             raise StoreError(f"the store at {self.where} is closed: open it again to write")
         if self._writer is None:
-            raise StoreError(f"the store at {self.where} is open read-only: open it with mode='a' to write")
+            raise StoreError(
+                f"the store at {self.where} is open read-only: open it with mode='a' to write"
+            )
         return self._writer
 
     async def flush(self) -> None:
@@ -427,7 +472,10 @@ class HiddenStateStore:
         """The settings the store's samples were produced under (``None`` while empty)."""
         if self._writer is not None and self._writer.provenance is not None:
             return self._writer.provenance
-        return next((r.index.state.provenance for r in self._readers.values() if r.index.state.provenance), None)
+        return next(
+            (r.index.state.provenance for r in self._readers.values() if r.index.state.provenance),
+            None,
+        )
 
     def _states(self) -> list[PartState]:
         return [r.index.state for r in self._readers.values()]
@@ -478,17 +526,24 @@ def _check_tensors(hs: HiddenStates) -> str:
             sample_id=hs.sample_id,
         )
     if hs.loss_mask is not None and tuple(hs.loss_mask.shape) != (t,):
-        raise InputError(f"loss_mask must be [{t}], found {tuple(hs.loss_mask.shape)}", sample_id=hs.sample_id)
+        raise InputError(
+            f"loss_mask must be [{t}], found {tuple(hs.loss_mask.shape)}", sample_id=hs.sample_id
+        )
     dtype = torch_dtype_name(aux)
     if final.dtype != aux.dtype:
-        raise InputError(f"aux is {aux.dtype} but final is {final.dtype}: they must match", sample_id=hs.sample_id)
+        raise InputError(
+            f"aux is {aux.dtype} but final is {final.dtype}: they must match",
+            sample_id=hs.sample_id,
+        )
     return dtype
 
 
 def _ids_int32(hs: HiddenStates) -> np.ndarray:
     ids = hs.input_ids.detach().cpu().numpy()
     if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
-        raise InputError("input_ids must be in [0, 2**31): token ids are stored as int32", sample_id=hs.sample_id)
+        raise InputError(
+            "input_ids must be in [0, 2**31): token ids are stored as int32", sample_id=hs.sample_id
+        )
     return np.ascontiguousarray(ids, dtype=np.int32)
 
 

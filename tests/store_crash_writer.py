@@ -1,0 +1,57 @@
+"""A writer process for crash tests, and the deterministic samples it writes.
+
+Run as ``python store_crash_writer.py PATH N WRITER_ID STRIDE OFFSET``: it writes samples
+``OFFSET, OFFSET + STRIDE, ...`` below N with ``if_exists="skip"``, prints ``wrote <i>`` after each,
+closes the store and prints ``END <number actually written>``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from hsdump._store import open_store
+from hsdump._types import HiddenStates
+
+HIDDEN = 32
+LAYERS = [2, 5, 7]
+SHARD_TOKENS = 128
+CHUNK_TOKENS = 16
+
+
+def sample_length(i: int) -> int:
+    """Lengths from 1 to 300 tokens: some samples fit in a shard, some span three."""
+    return 1 + (i * 97) % 300
+
+
+def make_sample(i: int, *, hidden: int = HIDDEN, layers: list[int] | None = None) -> HiddenStates:
+    """Sample ``s<i>``: seeded random bf16 states, ids and (for odd i) a loss mask."""
+    layers = LAYERS if layers is None else layers
+    t = sample_length(i)
+    g = torch.Generator().manual_seed(i)
+    aux = torch.randn(t, len(layers), hidden, generator=g).to(torch.bfloat16)
+    final = torch.randn(t, hidden, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, 150_000, (t,), generator=g)
+    mask = torch.randint(0, 2, (t,), generator=g, dtype=torch.uint8) if i % 2 else None
+    return HiddenStates(f"s{i}", ids, aux, final, list(layers), mask)
+
+
+def open_test_store(path: str, mode: str = "a", writer_id: str | None = None):  # type: ignore[no-untyped-def]
+    """The store geometry every crash test uses: small shards, so kills land in every state."""
+    return open_store(
+        path, mode, writer_id=writer_id, shard_tokens=SHARD_TOKENS, chunk_tokens=CHUNK_TOKENS
+    )  # type: ignore[arg-type]
+
+
+def main(path: str, n: int, writer_id: str, stride: int, offset: int) -> None:
+    written = 0
+    with open_test_store(path, writer_id=writer_id) as store:
+        for i in range(offset, n, stride):
+            written += store.write_sync(make_sample(i), if_exists="skip")
+            print(f"wrote {i}", flush=True)
+    print(f"END {written}", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))

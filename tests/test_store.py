@@ -1,0 +1,314 @@
+"""The store through its public seam: round trips, refusals, provenance, stats, corruption."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+from store_crash_writer import make_sample, open_test_store
+from zarr.storage import MemoryStore
+
+from hsdump import (
+    InputError,
+    ProvenanceMismatch,
+    SampleExistsError,
+    SampleNotFoundError,
+    StoreCorruptedError,
+    StoreError,
+)
+from hsdump._protocol import DumpMeta, ProducerInfo
+from hsdump._store import open_store, verify_store
+from hsdump._types import HiddenStates
+
+# NaN, +-Inf, -0, the smallest and largest subnormals (positive and negative), the largest finite.
+SPECIAL_BF16 = [0x7FC0, 0xFFC1, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x007F, 0x8001, 0x807F, 0x7F7F]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+def _assert_same(got: HiddenStates, want: HiddenStates) -> None:
+    assert got.sample_id == want.sample_id
+    assert torch.equal(_bits(got.aux_hidden_states), _bits(want.aux_hidden_states))
+    assert torch.equal(_bits(got.final_hidden_state), _bits(want.final_hidden_state))
+    assert got.aux_hidden_states.dtype == want.aux_hidden_states.dtype
+    assert torch.equal(got.input_ids, want.input_ids.long())
+    assert got.layer_ids == want.layer_ids
+    if want.loss_mask is None:
+        assert got.loss_mask is None
+    else:
+        assert got.loss_mask is not None and torch.equal(
+            got.loss_mask, want.loss_mask.to(torch.uint8)
+        )
+
+
+def _from_bits(bits: np.ndarray, sid: str = "x", mask: bool = False) -> HiddenStates:
+    t, layers, _ = bits.shape
+    hidden = torch.from_numpy(bits.copy()).view(torch.bfloat16)
+    ids = torch.arange(t) * 7
+    return HiddenStates(
+        sid,
+        ids,
+        hidden[:, :-1],
+        hidden[:, -1],
+        list(range(1, layers)),
+        torch.ones(t, dtype=torch.uint8) if mask else None,
+    )
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    bits=st.tuples(st.integers(1, 70), st.integers(2, 4), st.integers(1, 9)).flatmap(
+        lambda shape: arrays(
+            np.uint16, shape, elements=st.sampled_from(SPECIAL_BF16) | st.integers(0, 0xFFFF)
+        )
+    ),
+    mask=st.booleans(),
+)
+def test_bf16_round_trip_is_bit_exact_with_nan_inf_negative_zero_and_subnormals(
+    bits: np.ndarray, mask: bool
+) -> None:
+    sample = _from_bits(bits, mask=mask)
+    with open_store(MemoryStore(), "a", shard_tokens=32, chunk_tokens=8) as store:
+        store.write_sync(sample)
+        store.flush_sync()
+        _assert_same(store["x"], sample)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_other_float_dtypes_round_trip_bit_exact(dtype: torch.dtype) -> None:
+    want = make_sample(3)
+    want.aux_hidden_states = want.aux_hidden_states.to(dtype)
+    want.final_hidden_state = want.final_hidden_state.to(dtype)
+    with open_store(MemoryStore(), "a") as store:
+        store.write_sync(want)
+    _assert_same(store["s3"], want)
+
+
+def test_samples_survive_close_reopen_and_appending_into_a_partial_shard(tmp_path: Path) -> None:
+    path = str(tmp_path / "s.zarr")
+    with open_test_store(path) as store:
+        for i in range(5):
+            store.write_sync(make_sample(i))
+    with open_test_store(path) as store:
+        for i in range(5, 12):
+            store.write_sync(make_sample(i))
+    with open_store(path, "r") as store:
+        assert sorted(store) == sorted(f"s{i}" for i in range(12))
+        for i in range(12):
+            _assert_same(store[f"s{i}"], make_sample(i))
+        assert store.verify().clean
+
+
+def test_buffered_samples_become_visible_on_flush() -> None:
+    with open_store(MemoryStore(), "a", shard_tokens=4096, chunk_tokens=16) as store:
+        store.write_sync(make_sample(1))
+        assert "s1" not in store and len(store) == 0
+        store.flush_sync()
+        assert "s1" in store and list(store) == ["s1"] and store.committed_ids() == {"s1"}
+
+
+def test_duplicate_id_is_refused_whether_committed_or_buffered() -> None:
+    with open_store(MemoryStore(), "a", shard_tokens=4096) as store:
+        store.write_sync(make_sample(1))
+        with pytest.raises(SampleExistsError, match="if_exists='skip'"):
+            store.write_sync(make_sample(1))
+        store.flush_sync()
+        with pytest.raises(SampleExistsError, match="s1"):
+            store.write_sync(make_sample(1))
+        assert len(store) == 1
+
+
+def test_skip_leaves_the_stored_sample_unchanged() -> None:
+    with open_store(MemoryStore(), "a") as store:
+        assert store.write_sync(make_sample(1)) is True
+        other = make_sample(2)
+        other.sample_id = "s1"
+        assert store.write_sync(other, if_exists="skip") is False
+    _assert_same(store["s1"], make_sample(1))
+
+
+def test_sample_with_other_layers_is_refused_naming_both_values() -> None:
+    with open_store(MemoryStore(), "a") as store:
+        store.write_sync(make_sample(1))
+        with pytest.raises(
+            ProvenanceMismatch, match=r"layer_ids.*\[2, 5, 7\].*\[1, 2, 3\].*new store"
+        ):
+            store.write_sync(make_sample(2, layers=[1, 2, 3]))
+
+
+def _with_meta(hs: HiddenStates, model: str) -> HiddenStates:
+    t, k, h = hs.aux_hidden_states.shape
+    hs.meta = DumpMeta(
+        rid=f"hsdump-{hs.sample_id}",
+        input_ids=hs.input_ids.tolist(),
+        num_tokens=t,
+        layer_ids=hs.layer_ids,
+        final_norm="post_norm",
+        hidden_size=h,
+        dtype="bfloat16",
+        aux_shape=(t, k, h),
+        final_shape=(t, h),
+        producer=ProducerInfo(name="sglang-hsdump", version="0.1"),
+        model_path=model,
+    )
+    return hs
+
+
+def test_sample_from_another_model_is_refused_and_provenance_is_recorded(tmp_path: Path) -> None:
+    with open_store(tmp_path / "s.zarr", "a") as store:
+        store.write_sync(_with_meta(make_sample(1), "org/model-a"))
+        store.write_sync(make_sample(3))  # built by hand: only its tensors are compared
+        with pytest.raises(ProvenanceMismatch, match=r"model_path.*org/model-a.*org/model-b"):
+            store.write_sync(_with_meta(make_sample(2), "org/model-b"))
+    with open_store(tmp_path / "s.zarr", "r") as store:
+        prov = store.provenance
+        assert (
+            prov is not None and prov.model_path == "org/model-a" and prov.final_norm == "post_norm"
+        )
+        assert prov.codec["name"] == "zstd" and prov.hsdump_version
+        assert store["s1"].attrs["provenance"]["producer_name"] == "sglang-hsdump"
+
+
+def test_second_writer_part_with_other_settings_is_refused(tmp_path: Path) -> None:
+    with open_store(tmp_path / "s.zarr", "a", writer_id="a") as store:
+        store.write_sync(make_sample(1))
+    with (
+        open_store(tmp_path / "s.zarr", "a", writer_id="b") as store,
+        pytest.raises(ProvenanceMismatch),
+    ):
+        store.write_sync(make_sample(2, hidden=16))
+
+
+def test_mismatched_shapes_are_refused_with_the_expected_shape() -> None:
+    bad = make_sample(1)
+    bad.final_hidden_state = bad.final_hidden_state[:, :5]
+    with open_store(MemoryStore(), "a") as store, pytest.raises(InputError, match="aux must be"):
+        store.write_sync(bad)
+
+
+def test_modes_refuse_missing_existing_read_only_and_closed_stores(tmp_path: Path) -> None:
+    path = tmp_path / "s.zarr"
+    with pytest.raises(StoreError, match="no store"):
+        open_store(path, "r")
+    store = open_store(path, "w")
+    store.write_sync(make_sample(1))
+    store.close()
+    with pytest.raises(StoreError, match="closed"):
+        store.write_sync(make_sample(2))
+    with pytest.raises(StoreError, match="mode='a'"):
+        open_store(path, "w")
+    with open_store(path, "r") as reader, pytest.raises(StoreError, match="read-only"):
+        reader.write_sync(make_sample(2))
+
+
+def test_missing_sample_raises_a_key_error_naming_it() -> None:
+    with (
+        open_store(MemoryStore(), "a") as store,
+        pytest.raises(SampleNotFoundError, match="nope") as info,
+    ):
+        store["nope"]
+    assert isinstance(info.value, KeyError)
+
+
+def test_memory_store_backend_is_shared_by_a_second_handle() -> None:
+    backend = MemoryStore()
+    with open_store(backend, "a") as store:
+        for i in range(4):
+            store.write_sync(make_sample(i))
+    with open_store(backend, "r") as reader:
+        assert len(reader) == 4
+        _assert_same(reader["s2"], make_sample(2))
+
+
+def test_corrupted_shard_is_found_by_verify_and_by_checked_reads(tmp_path: Path) -> None:
+    path = tmp_path / "s.zarr"
+    with open_test_store(str(path)) as store:
+        for i in range(6):
+            store.write_sync(make_sample(i))
+    shard = sorted((path / "part-default" / "hidden").glob("c.*"))[0]
+    data = bytearray(shard.read_bytes())
+    for pos in range(100, len(data) // 2, 97):
+        data[pos] ^= 0x5A
+    shard.write_bytes(bytes(data))
+    report = verify_store(path)
+    assert not report.clean and report.checked == 6 and report.corrupted[0].sample_id == "s0"
+    with (
+        open_store(path, "r", verify_reads=True) as store,
+        pytest.raises(StoreCorruptedError, match="verify-store"),
+    ):
+        store["s0"]
+
+
+def test_stats_match_numpy_including_non_finite_values() -> None:
+    samples = [make_sample(i) for i in range(4)]
+    samples[1].aux_hidden_states[3, 0, :4] = torch.tensor(
+        [float("nan"), float("inf"), -float("inf"), 1e30]
+    )
+    with open_store(MemoryStore(), "a") as store:
+        for s in samples:
+            store.write_sync(s)
+    stats = store.stats()
+    for layer in range(4):
+        values = np.concatenate(
+            [
+                (s.aux_hidden_states[:, layer] if layer < 3 else s.final_hidden_state)
+                .float()
+                .numpy()
+                .ravel()
+                for s in samples
+            ]
+        ).astype(np.float64)
+        finite = values[np.isfinite(values)]
+        got = stats[layer]
+        assert got.count == finite.size and got.non_finite == values.size - finite.size
+        # Row sums accumulate in float32 (H values), rows in float64.
+        assert got.mean == pytest.approx(finite.mean(), rel=1e-6, abs=1e-7)
+        assert got.std == pytest.approx(finite.std(), rel=1e-6)
+        assert got.max_abs == np.abs(finite).max()
+    assert [s.layer for s in stats] == [2, 5, 7, "final"]
+
+
+def test_counters_report_raw_stored_bytes_and_tokens(tmp_path: Path) -> None:
+    samples = [make_sample(i) for i in range(8)]
+    with open_store(tmp_path / "s.zarr", "a") as store:
+        for s in samples:
+            store.write_sync(s)
+    with open_store(tmp_path / "s.zarr", "r") as store:
+        assert store.num_tokens == sum(s.num_tokens for s in samples)
+        assert store.bytes_raw == sum(s.nbytes for s in samples)
+        assert 0 < store.bytes_stored < store.bytes_raw
+
+
+@pytest.mark.anyio
+async def test_async_write_runs_off_the_event_loop(tmp_path: Path) -> None:
+    store = open_store(tmp_path / "s.zarr", "a")
+    loop_ran = threading.Event()
+    seen: list[bool] = []
+    add = store._writer.add  # type: ignore[union-attr]
+
+    def slow_add(*args: object) -> None:
+        # Completes only if the event loop keeps running while the write is in progress.
+        seen.append(loop_ran.wait(timeout=10))
+        add(*args)  # type: ignore[arg-type]
+
+    store._writer.add = slow_add  # type: ignore[union-attr,method-assign]
+
+    async def tick() -> None:
+        await anyio.sleep(0.01)
+        loop_ran.set()
+
+    async with store, anyio.create_task_group() as tg:
+        tg.start_soon(tick)
+        assert await store.write(make_sample(1)) is True
+    assert seen == [True]
+    with open_store(tmp_path / "s.zarr", "r") as reader:
+        assert "s1" in reader
