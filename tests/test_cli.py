@@ -1,0 +1,172 @@
+"""The ``hsdump`` command line, run in-process against real servers on loopback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from hsdump._cli import app
+from hsdump._reference import build_default_model
+from hsdump._store import open_store
+from hsdump.testing import FakeServer, Fault
+
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 64,
+}
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("model")
+    build_default_model(seed=5, **TINY).save_pretrained(path)
+    return path
+
+
+def _dataset(path, *lines):
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def _good(n):
+    return [{"id": f"s{i}", "input_ids": list(range(1, 3 + 5 * i))} for i in range(n)]
+
+
+def _extract(model_dir, tmp_path, dataset, *extra):
+    args = ["extract", str(dataset), "--out", str(tmp_path / "s.zarr"), "--model", str(model_dir)]
+    return runner.invoke(app, [*args, "--dump-dir", str(tmp_path / "dumps"), *extra])
+
+
+def _ids(tmp_path):
+    with open_store(tmp_path / "s.zarr", "r") as store:
+        return sorted(store)
+
+
+def test_extract_writes_every_sample_prints_a_summary_and_exits_zero(model_dir, tmp_path):
+    result = _extract(model_dir, tmp_path, _dataset(tmp_path / "d.jsonl", *_good(3)))
+    assert result.exit_code == 0, result.output
+    assert "3 samples written" in result.output and "tokens/s" in result.output
+    assert _ids(tmp_path) == ["s0", "s1", "s2"]
+    assert not (tmp_path / "s.zarr.failures.jsonl").exists()
+
+
+def test_a_rerun_skips_stored_samples_and_says_how_many(model_dir, tmp_path):
+    dataset = _dataset(tmp_path / "d.jsonl", *_good(2))
+    _extract(model_dir, tmp_path, dataset)
+    _dataset(dataset, *_good(3))
+    result = _extract(model_dir, tmp_path, dataset)
+    assert result.exit_code == 0 and "1 samples written, 2 skipped" in result.output
+    assert _ids(tmp_path) == ["s0", "s1", "s2"]
+
+
+def test_bad_lines_are_named_recorded_and_the_rest_is_extracted(model_dir, tmp_path):
+    lines = [
+        _good(1)[0],
+        "{oops",
+        {"id": "far", "input_ids": [1, 256]},
+        {"id": "long", "input_ids": [1] * 65},
+        {"id": "s0", "input_ids": [4]},
+        {"id": "ok", "input_ids": [7, 8]},
+    ]
+    result = _extract(model_dir, tmp_path, _dataset(tmp_path / "d.jsonl", *lines))
+    assert result.exit_code == 1 and result.output.count("bad line") == 4
+    assert _ids(tmp_path) == ["ok", "s0"]
+    records = [json.loads(x) for x in (tmp_path / "s.zarr.failures.jsonl").read_text().splitlines()]
+    reasons = ["not valid JSON", "vocabulary", "context", "duplicate"]
+    assert [(r["line"], r["error"], r["attempts"]) for r in records] == [
+        (n, "InputError", 0) for n in (2, 3, 4, 5)
+    ]
+    for number, reason, record in zip((2, 3, 4, 5), reasons, records, strict=True):
+        assert f"d.jsonl:{number}: " in record["message"] and reason in record["message"]
+
+
+def test_fail_fast_stops_before_extracting_after_a_bad_line(model_dir, tmp_path):
+    dataset = _dataset(tmp_path / "d.jsonl", "nope", *_good(2))
+    result = _extract(model_dir, tmp_path, dataset, "--fail-fast")
+    assert result.exit_code == 1 and _ids(tmp_path) == []
+
+
+@pytest.fixture
+def fake(tmp_path):
+    with FakeServer(tmp_path / "fake-dumps", hidden_size=8) as server:
+        yield server
+
+
+def _extract_from(server, tmp_path, dataset, *extra):
+    args = ["extract", str(dataset), "--out", str(tmp_path / "s.zarr")]
+    server_args = ["--server-url", server.url, "--dump-dir", str(server.dump_dir)]
+    return runner.invoke(app, [*args, *server_args, *extra])
+
+
+def test_a_transient_failure_is_retried_and_the_sample_stored(fake, tmp_path):
+    fake.inject(Fault("http_500"), Fault("drop_connection"))
+    result = _extract_from(fake, tmp_path, _dataset(tmp_path / "d.jsonl", *_good(2)))
+    assert result.exit_code == 0, result.output
+    assert _ids(tmp_path) == ["s0", "s1"] and len(fake.received) == 4
+
+
+def test_a_sample_failing_every_retry_is_recorded_and_the_exit_code_is_one(fake, tmp_path):
+    fake.inject(*[Fault("error_marker")] * 2)
+    dataset = _dataset(tmp_path / "d.jsonl", *_good(2))
+    result = _extract_from(fake, tmp_path, dataset, "--retries", "1")
+    assert result.exit_code == 1 and _ids(tmp_path) == ["s1"]
+    (record,) = [
+        json.loads(x) for x in (tmp_path / "s.zarr.failures.jsonl").read_text().splitlines()
+    ]
+    assert (record["id"], record["line"], record["error"], record["attempts"]) == (
+        "s0",
+        1,
+        "DumpFailed",
+        2,
+    )
+
+
+def test_an_unreachable_server_is_a_one_line_error_with_exit_code_two(tmp_path):
+    dataset = _dataset(tmp_path / "d.jsonl", *_good(1))
+    args = ["extract", str(dataset), "--out", str(tmp_path / "s.zarr")]
+    result = runner.invoke(
+        app, [*args, "--server-url", "http://127.0.0.1:9", "--dump-dir", str(tmp_path)]
+    )
+    assert result.exit_code == 2 and result.output.startswith("error:")
+    assert "Traceback" not in result.output
+
+
+def test_a_missing_dataset_is_a_one_line_error(model_dir, tmp_path):
+    result = _extract(model_dir, tmp_path, tmp_path / "missing.jsonl")
+    assert result.exit_code == 2 and "cannot read the dataset" in result.output
+    assert "Traceback" not in result.output
+
+
+def test_help_lists_the_subcommands_and_their_examples():
+    result = runner.invoke(app, ["--help"])
+    for command in ("extract", "serve-reference", "verify-store", "stats"):
+        assert command in result.output
+    assert "hsdump extract bundled --out" in runner.invoke(app, ["extract", "--help"]).output
+
+
+def test_verify_store_and_stats_report_a_clean_store(model_dir, tmp_path):
+    _extract(model_dir, tmp_path, _dataset(tmp_path / "d.jsonl", *_good(2)))
+    verified = runner.invoke(app, ["verify-store", str(tmp_path / "s.zarr")])
+    assert verified.exit_code == 0 and "2 intact, 0 corrupted" in verified.output
+    stats = runner.invoke(app, ["stats", str(tmp_path / "s.zarr")])
+    assert stats.exit_code == 0 and "final" in stats.output and "non-finite" in stats.output
+
+
+def test_verify_store_on_a_missing_store_is_a_one_line_error(tmp_path):
+    result = runner.invoke(app, ["verify-store", str(tmp_path / "none.zarr")])
+    assert result.exit_code == 2 and result.output.startswith("error:")
+
+
+def test_serve_reference_rejects_malformed_layer_ids(tmp_path):
+    result = runner.invoke(
+        app, ["serve-reference", "--layer-ids", "2,x", "--dump-dir", str(tmp_path)]
+    )
+    assert result.exit_code == 2 and "--layer-ids" in result.output
