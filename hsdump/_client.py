@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 __all__ = ["ClientStats", "HiddenStateClient"]
 
 logger = logging.getLogger(__name__)
+# What a dump holds beside its tensors: meta.json (token ids as JSON text) and the markers.
+_META_BYTES, _META_BYTES_PER_TOKEN = 4096, 16
 
 
 class _State(enum.Enum):
@@ -241,7 +243,7 @@ class HiddenStateClient:
             raise ConfigError(f"this client is {self._state.value}: use it inside `async with`")
         self._check_length(sample)
         self._sweep_abandoned()
-        nbytes = len(sample.input_ids) * self._row_bytes()
+        nbytes = _META_BYTES + len(sample.input_ids) * (self._row_bytes() + _META_BYTES_PER_TOKEN)
         await self.budget.acquire(nbytes)
         try:
             return await self._extract_once(sample)

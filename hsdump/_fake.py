@@ -103,6 +103,7 @@ class FakeEngine:
         latency: float,
         server_info: dict[str, Any],
         fault_for: Callable[[str, list[int]], Fault | None] | None,
+        pool_tokens: int = 0,
     ):
         self.dump_dir = dump_dir
         self.layer_ids = list(layer_ids)
@@ -114,6 +115,7 @@ class FakeEngine:
         self.received: list[GenerateRequest] = []
         self.dumped: list[str] = []
         self._background: set[asyncio.Task[None]] = set()
+        self._pool = _random_pool(pool_tokens, len(self.layer_ids) + 1, hidden_size)
 
     def server_info(self) -> dict[str, Any]:
         """See :class:`hsdump._httpserver.Engine`."""
@@ -172,8 +174,8 @@ class FakeEngine:
             return write_error(self.dump_dir, rid, "injected capture failure", PRODUCER)
         dumped_ids = _corrupt_ids(ids, fault)
         layers = [i + 1 for i in self.layer_ids] if fault.kind == "wrong_layers" else self.layer_ids
-        aux, final = fake_states(dumped_ids, layers, self.hidden_size)
-        _corrupt_values(aux, fault)
+        aux, final = self._states(dumped_ids, layers)
+        aux = _corrupt_values(aux, fault)
         t, k, h = aux.shape
         meta = DumpMeta(
             rid=rid,
@@ -193,6 +195,22 @@ class FakeEngine:
         return path
 
 
+    def _states(self, ids: list[int], layers: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        if self._pool is None or len(ids) > self._pool[0].shape[0]:
+            return fake_states(ids, layers, self.hidden_size)
+        aux, final = self._pool
+        return aux[: len(ids)], final[: len(ids)]
+
+
+def _random_pool(tokens: int, layers: int, hidden: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Random-normal bf16 states to slice from, for benchmarks where generating states must be free."""
+    if tokens <= 0:
+        return None
+    values = np.random.default_rng(0).standard_normal((tokens, layers, hidden), dtype=np.float32)
+    bits = _to_bf16_bits(values)
+    return np.ascontiguousarray(bits[:, :-1]), np.ascontiguousarray(bits[:, -1])
+
+
 def _corrupt_response(response: dict[str, Any], fault: Fault) -> None:
     if fault.kind == "response_rid":
         response["meta_info"]["id"] = "hsdump-someone-else"
@@ -208,11 +226,15 @@ def _corrupt_ids(ids: list[int], fault: Fault) -> list[int]:
     return ids
 
 
-def _corrupt_values(aux: np.ndarray, fault: Fault) -> None:
+def _corrupt_values(aux: np.ndarray, fault: Fault) -> np.ndarray:
+    if fault.kind not in ("nan", "zero_row"):
+        return aux
+    aux = aux.copy()
     if fault.kind == "nan":
         aux[-1, 0, 0] = 0x7FC0  # bf16 quiet NaN
-    elif fault.kind == "zero_row":
+    else:
         aux[0, -1, :] = 0
+    return aux
 
 
 class FakeServer(SGLangCompatibleServer):
@@ -234,6 +256,8 @@ class FakeServer(SGLangCompatibleServer):
         capabilities: The manifest's capabilities.
         announce: Write the producer manifest (False: look like a server that is not dumping).
         fault_for: Called with (rid, input_ids) of each opted-in request without a queued fault.
+        pool_tokens: When positive, dumps slice states from a pre-generated random pool of this
+            many tokens instead of computing them from the token ids (fast, for benchmarks).
     """
 
     def __init__(
@@ -247,6 +271,7 @@ class FakeServer(SGLangCompatibleServer):
         capabilities: Capabilities | None = None,
         announce: bool = True,
         fault_for: Callable[[str, list[int]], Fault | None] | None = None,
+        pool_tokens: int = 0,
         host: str = "127.0.0.1",
         port: int = 0,
     ):
@@ -264,6 +289,7 @@ class FakeServer(SGLangCompatibleServer):
             latency=latency,
             server_info=info,
             fault_for=fault_for,
+            pool_tokens=pool_tokens,
         )
         self._manifest_path: Path | None = None
         super().__init__(self.engine, host=host, port=port)

@@ -1,0 +1,206 @@
+"""Pipeline throughput: is hsdump's plumbing ever the bottleneck?
+
+Runs, side by side in one process on the same requests:
+
+1. server alone: the fake server (a fixed time per request, dumping realistic sizes through the
+   protocol) consumed by the thinnest possible client (HTTP + inotify + delete the dump);
+2. store alone: the same hidden states written straight into a fresh store;
+3. end to end: ``run_extraction`` with HiddenStateClient + store.
+
+and reports end-to-end / min(server alone, store alone) for one request in flight and for 8.
+Then the watcher wake-up latency (publish -> waiter resumes) for inotify and polling, and the peak
+bytes in the dump root against the byte budget.
+
+    python benchmarks/bench_pipeline.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import anyio
+import httpx
+import numpy as np
+
+from hsdump import HiddenStateClient, InotifyWatcher, PollingWatcher, Sample, open_store
+from hsdump._pipeline import run_extraction
+from hsdump._protocol import request_dir
+from hsdump.testing import FakeServer, publish
+
+CMD = "python benchmarks/bench_pipeline.py"
+LAYERS = (2, 16, 29)
+
+
+def samples(n: int, tokens: int) -> list[Sample]:
+    rng = np.random.default_rng(1)
+    return [Sample(id=f"s{i:05d}", input_ids=rng.integers(0, 32000, tokens).tolist()) for i in range(n)]
+
+
+async def server_alone(server: FakeServer, batch: list[Sample], concurrency: int) -> float:
+    """Tokens/s of the server with a consumer that does nothing but wait for and delete dumps."""
+    watcher = InotifyWatcher(server.dump_dir)
+    limiter = anyio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=server.url, timeout=600) as http:
+
+        async def one(s: Sample) -> None:
+            async with limiter:
+                rid = f"hsdump-bench-{uuid.uuid4().hex}"
+                body = {"rid": rid, "input_ids": s.input_ids, "sampling_params": {"max_new_tokens": 0}}
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(watcher.wait, rid, 60)
+                    (await http.post("/generate", json=body)).raise_for_status()
+                shutil.rmtree(request_dir(server.dump_dir, rid))
+
+        started = time.perf_counter()
+        async with anyio.create_task_group() as tg:
+            for s in batch:
+                tg.start_soon(one, s)
+        elapsed = time.perf_counter() - started
+    await watcher.aclose()
+    return sum(len(s.input_ids) for s in batch) / elapsed
+
+
+async def store_alone(server: FakeServer, batch: list[Sample], where: Path) -> float:
+    """Tokens/s of the store alone, fed the same hidden states (extracted beforehand)."""
+    async with HiddenStateClient(server.url, dump_dir=server.dump_dir) as client:
+        states = [await client.extract(s) for s in batch]
+    store = open_store(where, mode="w")
+    started = time.perf_counter()
+    for hs in states:
+        await store.write(hs)
+    await store.aclose()
+    return sum(hs.num_tokens for hs in states) / (time.perf_counter() - started)
+
+
+async def end_to_end(server: FakeServer, batch: list[Sample], where: Path, concurrency: int, budget: int | None = None) -> tuple[float, HiddenStateClient, object]:
+    async with HiddenStateClient(
+        server.url, dump_dir=server.dump_dir, max_in_flight=concurrency, dump_budget_bytes=budget
+    ) as client:
+        store = open_store(where, mode="w")
+        summary = await run_extraction(batch, client=client, store=store, concurrency=concurrency)
+        await store.aclose()
+    assert summary.ok and summary.samples_done == len(batch), summary
+    return summary.tokens_done / summary.wall_s, client, summary
+
+
+async def wake_latency(kind: str, root: Path, n: int) -> list[float]:
+    """Milliseconds from a dump's rename into place to the waiting task resuming."""
+    watcher = InotifyWatcher(root) if kind == "inotify" else PollingWatcher(root)
+    published: dict[str, float] = {}
+    lat = []
+    for _ in range(n):
+        rid = f"hsdump-wake-{uuid.uuid4().hex[:12]}"
+
+        def producer(rid: str = rid) -> None:
+            time.sleep(0.002)
+            publish(root, rid)
+            published[rid] = time.perf_counter()
+
+        thread = threading.Thread(target=producer)
+        thread.start()
+        await watcher.wait(rid, 5)
+        woke = time.perf_counter()
+        thread.join()
+        lat.append((woke - published[rid]) * 1e3)
+        shutil.rmtree(request_dir(root, rid))
+    await watcher.aclose()
+    return lat
+
+
+class DumpRootSampler(threading.Thread):
+    """Samples the bytes held in the dump root's request directories every millisecond."""
+
+    def __init__(self, root: Path):
+        super().__init__(daemon=True)
+        self.root, self.peak, self._halt = root, 0, threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            total = 0
+            for dirpath, _, files in os.walk(self.root):
+                if not Path(dirpath).name.startswith(("req_", ".tmp-")):
+                    continue
+                for f in files:
+                    try:
+                        total += os.stat(os.path.join(dirpath, f)).st_size
+                    except OSError:
+                        pass
+            self.peak = max(self.peak, total)
+            time.sleep(0.001)
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q))
+
+
+async def main(quick: bool) -> int:
+    n, tokens, hidden = (24, 1024, 1024) if quick else (64, 2048, 1024)
+    latency = 0.05
+    dump_root = Path(tempfile.mkdtemp(prefix="hsdump-bench-", dir="/dev/shm"))
+    work = Path(tempfile.mkdtemp(prefix="hsdump-bench-"))
+    row = (len(LAYERS) + 1) * hidden * 2
+    print(f"# hsdump pipeline benchmark ({'quick' if quick else 'full'}): {n} samples x {tokens} tokens,"
+          f" K={len(LAYERS)}, H={hidden}, bf16, {n * tokens * row / 1e6:.0f} MB raw;"
+          f" fake server {latency * 1e3:.0f} ms per request; {os.cpu_count()} CPUs")
+    print(f"# reproduce: {CMD}{' --quick' if quick else ''}\n")
+    failures = 0
+    batch = samples(n, tokens)
+    with FakeServer(dump_root, layer_ids=LAYERS, hidden_size=hidden, latency=latency, pool_tokens=tokens) as server:
+        store_rate = await store_alone(server, batch[: max(8, n // 4)], work / "store-alone.zarr")
+        print("| in flight | server alone tok/s | store alone tok/s | end to end tok/s | ratio | target | |")
+        print("|---|---|---|---|---|---|---|")
+        for conc in (1, 8):
+            srv = await server_alone(server, batch, conc)
+            e2e, client, summary = await end_to_end(server, batch, work / f"e2e-{conc}.zarr", conc)
+            ratio = e2e / min(srv, store_rate)
+            ok = ratio >= 0.9
+            failures += not ok
+            print(f"| {conc} | {srv:,.0f} | {store_rate:,.0f} | {e2e:,.0f} | {ratio:.2f} | >= 0.90 | {'PASS' if ok else 'FAIL'} |")
+            st = client.stats
+            print(f"|   stages (s) | server {st.server_s:.2f} | dump wait {st.dump_wait_s:.2f} | ingest {st.ingest_s:.2f} | | | |")
+
+        budget = 3 * tokens * (row + 16) + 3 * 4096
+        sampler = DumpRootSampler(dump_root)
+        sampler.start()
+        _, client, _ = await end_to_end(server, batch, work / "budget.zarr", 8, budget=budget)
+        sampler.stop()
+        ok = sampler.peak <= budget and client.budget.peak <= budget
+        failures += not ok
+        print(f"\npeak bytes in the dump root at 8 in flight: sampled {sampler.peak / 1e6:.1f} MB, "
+              f"accounted {client.budget.peak / 1e6:.1f} MB, budget {budget / 1e6:.1f} MB: {'PASS' if ok else 'FAIL'}")
+
+    print("\n| watcher | wake-up p50 ms | p99 ms | target |")
+    print("|---|---|---|---|")
+    wake_root = Path(tempfile.mkdtemp(prefix="hsdump-wake-", dir="/dev/shm"))
+    for kind in ("inotify", "poll"):
+        lat = await wake_latency(kind, wake_root, 100 if quick else 400)
+        p50, p99 = pct(lat, 50), pct(lat, 99)
+        if kind == "inotify":
+            ok = p50 < 1 and p99 < 5
+            failures += not ok
+            verdict = f"p50 < 1, p99 < 5: {'PASS' if ok else 'FAIL'}"
+        else:
+            verdict = "(reported)"
+        print(f"| {kind} | {p50:.3f} | {p99:.3f} | {verdict} |")
+    for d in (dump_root, work, wake_root):
+        shutil.rmtree(d, ignore_errors=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="smaller run (about a minute)")
+    sys.exit(asyncio.run(main(parser.parse_args().quick)))
