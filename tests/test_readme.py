@@ -34,3 +34,9 @@ def test_readme_library_example_runs(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     assert "torch.Size([4, 3," in out.stdout
     assert (tmp_path / "demo.zarr").is_dir()
+
+
+def test_ci_runs_the_readmes_test_command() -> None:
+    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert blocks[1].strip() in ci
