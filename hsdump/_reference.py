@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio.to_thread
 
@@ -79,7 +79,7 @@ def build_default_model(seed: int = DEFAULT_SEED, **overrides: Any) -> PreTraine
 
     config = LlamaConfig(**{**DEFAULT_CONFIG, **overrides})
     torch.manual_seed(seed)
-    return LlamaForCausalLM(config).eval()
+    return _ready(LlamaForCausalLM(config))
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -95,12 +95,19 @@ def _load_model(model: str | os.PathLike[str], device: str) -> PreTrainedModel:
     # bf16 matmuls are slow on most CPUs: compute in fp32 there, dump bf16 like SGLang does.
     dtype: Any = "auto" if device.startswith("cuda") else torch.float32
     try:
-        return AutoModelForCausalLM.from_pretrained(os.fspath(model), dtype=dtype).eval()
+        return _ready(AutoModelForCausalLM.from_pretrained(os.fspath(model), dtype=dtype))
     except (OSError, ValueError) as exc:
         raise ConfigError(
             f"cannot load a causal LM from {os.fspath(model)!r}: {exc}. Pass a local directory "
             "holding a transformers model (config.json and weights), or none for the built-in one"
         ) from exc
+
+
+def _ready(model: Any, device: str | None = None) -> PreTrainedModel:
+    """The model in inference mode, on ``device`` when given."""
+    if device is not None:
+        model = model.to(device)
+    return cast("PreTrainedModel", model.eval())
 
 
 def _default_device() -> str:
@@ -325,10 +332,10 @@ class ReferenceServer:
 
     def _model(self, model: str | os.PathLike[str] | PreTrainedModel | None) -> PreTrainedModel:
         if model is None:
-            return build_default_model().to(self.device)
+            return _ready(build_default_model(), self.device)
         if isinstance(model, str | os.PathLike):
-            return _load_model(model, self.device).to(self.device)
-        return model.eval()
+            return _ready(_load_model(model, self.device), self.device)
+        return _ready(model)
 
     @staticmethod
     def _model_path(model: object) -> str:
