@@ -41,6 +41,7 @@ from hsdump._types import HiddenStates, Sample
 if TYPE_CHECKING:
     from hsdump._client import HiddenStateClient
     from hsdump._dataset import HiddenStateDataset
+    from hsdump._pipeline import Backoff, ExtractionSummary, run_extraction
     from hsdump._reference import ReferenceServer
     from hsdump._store import HiddenStateStore, open_store
     from hsdump._watcher import DumpWatcher, InotifyWatcher, PollingWatcher
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _LAZY = {
+    "Backoff": "hsdump._pipeline",
+    "ExtractionSummary": "hsdump._pipeline",
     "DumpWatcher": "hsdump._watcher",
     "HiddenStateClient": "hsdump._client",
     "HiddenStateDataset": "hsdump._dataset",
@@ -56,9 +59,11 @@ _LAZY = {
     "PollingWatcher": "hsdump._watcher",
     "ReferenceServer": "hsdump._reference",
     "open_store": "hsdump._store",
+    "run_extraction": "hsdump._pipeline",
 }
 
 __all__ = [
+    "Backoff",
     "ConfigError",
     "DegenerateValues",
     "DtypeMismatch",
@@ -67,6 +72,7 @@ __all__ = [
     "DumpTimeout",
     "DumpValidationError",
     "DumpWatcher",
+    "ExtractionSummary",
     "HiddenStateClient",
     "HiddenStateDataset",
     "HiddenStateStore",
@@ -95,6 +101,7 @@ __all__ = [
     "TokenMismatch",
     "__version__",
     "open_store",
+    "run_extraction",
 ]
 
 

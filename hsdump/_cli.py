@@ -152,6 +152,10 @@ def _print_summary(summary: Any, failures_path: Path) -> None:
         f"{summary.tokens_per_s:,.0f} tokens/s, {len(summary.failures)} failed",
         highlight=False,
     )
+    if summary.stages:
+        busiest = max(summary.stages, key=summary.stages.get)
+        stages = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in summary.stages.items())
+        console.print(f"time per stage (overlapping): {stages}; busiest: {busiest}", highlight=False)
     if summary.failures:
         console.print(f"[red]failures recorded in {failures_path}[/]", highlight=False)
 

@@ -6,8 +6,11 @@ cache key per call), records samples that keep failing in a JSONL failures file 
 on cancellation (Ctrl-C) lets the store write in flight finish, so the store stays consistent and a
 rerun resumes where this one stopped.
 
-Workers pull samples from one shared iterator, so running ``concurrency`` of them keeps that many
-requests at the server; store writes are serialised and run off the event loop.
+Two stages joined by a bounded stream: ``concurrency + 1`` extraction workers pull samples from one
+shared iterator (the client's own gate keeps ``max_in_flight`` requests at the server, and the
+extra worker has the next request waiting at that gate), and one writer commits to the store. So
+while sample k is validated and written, sample k+1 is already at the server, also one at a time,
+and memory stays bounded by the workers plus the stream's one slot.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import anyio
 import anyio.to_thread
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from hsdump._exceptions import ConfigError, HsdumpError, SampleExistsError
 
@@ -139,6 +143,10 @@ class ExtractionSummary:
         retries: Retries made.
         failures: Samples and lines that failed.
         interrupted: Whether the run was cancelled before its end.
+        stages: Seconds spent per stage, summed over samples: ``server`` (request to response),
+            ``dump_wait`` (response to dump visible), ``ingest`` (read + validate), from the
+            client's stats when it keeps them, and ``store_write``. Stages overlap in time, so
+            the largest one is the bottleneck.
         started: ``time.monotonic()`` at the start.
         finished: ``time.monotonic()`` at the end, or None while running.
     """
@@ -154,6 +162,7 @@ class ExtractionSummary:
     retries: int = 0
     failures: list[Failure] = field(default_factory=list)
     interrupted: bool = False
+    stages: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None
 
@@ -191,6 +200,7 @@ class ExtractionSummary:
 
 
 ProgressCallback = Callable[[ExtractionSummary], None]
+_Extracted = tuple["Sample", "HiddenStates", int]
 
 
 def _store_bytes(store: object) -> tuple[int, int]:
@@ -251,6 +261,11 @@ class _Run:
         self.summary: ExtractionSummary = options["summary"]
         self._write_lock = anyio.Lock()
         self._store_start = _store_bytes(store)
+        stats = getattr(client, "stats", None)
+        self._client_start = {
+            name: getattr(stats, f"{name}_s") for name in ("server", "dump_wait", "ingest")
+            if stats is not None and hasattr(stats, f"{name}_s")
+        }  # fmt: skip
 
     def plan(self, samples: Sequence[Sample]) -> list[Sample]:
         todo = [s for s in samples if s.id not in self.store]
@@ -259,30 +274,45 @@ class _Run:
         self.summary.tokens_total = sum(len(s.input_ids) for s in todo)
         return todo
 
-    async def worker(self, queue: Iterator[Sample], scope: anyio.CancelScope) -> None:
-        for sample in queue:
-            failed = not await self.one(sample)
-            self._report()
-            if failed and self.fail_fast:
-                scope.cancel()
-                return
+    async def extractor(
+        self, queue: Iterator[Sample], out: MemoryObjectSendStream[_Extracted], scope: anyio.CancelScope
+    ) -> None:
+        async with out:
+            for sample in queue:
+                extracted = await self.attempts(sample)
+                if extracted is not None:
+                    await out.send(extracted)
+                    continue
+                self._report()
+                if self.fail_fast:
+                    scope.cancel()
+                    return
 
-    async def one(self, sample: Sample) -> bool:
+    async def writer(self, results: MemoryObjectReceiveStream[_Extracted], scope: anyio.CancelScope) -> None:
+        async with results:
+            async for sample, states, attempt in results:
+                committed = await self.commit(sample, states, attempt)
+                self._report()
+                if not committed and self.fail_fast:
+                    scope.cancel()
+                    return
+
+    async def attempts(self, sample: Sample) -> _Extracted | None:
+        """Extract ``sample``, retrying transient failures; None when it failed for good."""
         for attempt in range(1, self.retries + 2):
             try:
-                states = await self.client.extract(sample)
+                return sample, await self.client.extract(sample), attempt
             except HsdumpError as exc:
                 if not exc.transient or attempt > self.retries:
                     self.fail(sample, exc, attempt)
-                    return False
+                    return None
                 self.summary.retries += 1
                 logger.warning("sample %r, attempt %d: %s; retrying", sample.id, attempt, exc)
                 await anyio.sleep(self.backoff.delay(attempt))
-                continue
-            return await self.commit(sample, states, attempt)
         raise AssertionError("unreachable: the last attempt returns")
 
     async def commit(self, sample: Sample, states: HiddenStates, attempt: int) -> bool:
+        started = time.perf_counter()
         async with self._write_lock:
             try:
                 await self.store.write(states)
@@ -292,6 +322,7 @@ class _Run:
             except HsdumpError as exc:
                 self.fail(sample, exc, attempt)
                 return False
+        self._add_stage("store_write", time.perf_counter() - started)
         self.summary.samples_done += 1
         self.summary.tokens_done += states.num_tokens
         self.summary.bytes_raw += states.nbytes
@@ -319,7 +350,18 @@ class _Run:
         self.log.record(failure)
         logger.error("sample %r failed after %d attempt(s): %s", sample.id, attempts, exc)
 
+    def _add_stage(self, name: str, seconds: float) -> None:
+        self.summary.stages[name] = self.summary.stages.get(name, 0.0) + seconds
+
+    def _client_stages(self) -> None:
+        stats = getattr(self.client, "stats", None)
+        for name in ("server", "dump_wait", "ingest"):
+            value = getattr(stats, f"{name}_s", None)
+            if value is not None:
+                self.summary.stages[name] = value - self._client_start.get(name, 0.0)
+
     def _report(self) -> None:
+        self._client_stages()
         if self.progress is not None:
             self.progress(self.summary)
 
@@ -380,15 +422,20 @@ async def _drive(run: _Run, samples: Sequence[Sample], concurrency: int) -> None
     if summary.failures and run.fail_fast:
         summary.finished = time.monotonic()
         return
+    workers = min(concurrency + 1, max(summary.samples_total, 1))
+    send, receive = anyio.create_memory_object_stream[_Extracted](max_buffer_size=1)
     try:
         async with anyio.create_task_group() as group:
-            for _ in range(min(concurrency, max(summary.samples_total, 1))):
-                group.start_soon(run.worker, queue, group.cancel_scope)
+            group.start_soon(run.writer, receive, group.cancel_scope)
+            async with send:
+                for _ in range(workers):
+                    group.start_soon(run.extractor, queue, send.clone(), group.cancel_scope)
     except BaseException:
         summary.interrupted = True
         raise
     finally:
         await run.flush()
+        run._client_stages()
         summary.finished = time.monotonic()
     if any(True for _ in queue):
         summary.interrupted = True  # fail-fast stopped the run with samples left

@@ -61,9 +61,9 @@ async def _run(server, store, samples, **options):
 async def test_every_sample_is_committed_once_under_its_own_id(server):
     store = MemoryStore()
     summary = await _run(server, store, _samples(4))
-    assert store.writes == ["s0", "s1", "s2", "s3"] and summary.ok
+    assert sorted(store.writes) == ["s0", "s1", "s2", "s3"] and summary.ok
     assert all(
-        store.samples[s].input_ids.tolist() == [i + 1] * (i + 2) for i, s in enumerate(store.writes)
+        store.samples[f"s{i}"].input_ids.tolist() == [i + 1] * (i + 2) for i in range(4)
     )
     assert (summary.samples_done, summary.tokens_done, summary.skipped) == (4, 2 + 3 + 4 + 5, 0)
     assert summary.ratio == pytest.approx(2.0)
@@ -86,7 +86,8 @@ async def test_a_transient_failure_is_retried_with_a_fresh_request(server):
 
 
 async def test_a_sample_that_keeps_failing_is_recorded_and_the_run_goes_on(server, tmp_path):
-    server.inject(*[Fault("http_500")] * 3)
+    s0 = _samples(1)[0]
+    server.engine.fault_for = lambda rid, ids: Fault("http_500") if ids == s0.input_ids else None
     store, failures = MemoryStore(), tmp_path / "f.jsonl"
     summary = await _run(
         server, store, _samples(2), retries=2, failures_path=failures, line_numbers={"s0": 7}
@@ -173,3 +174,31 @@ def test_backoff_grows_and_is_capped():
 
 def test_failures_file_sits_beside_the_store(tmp_path):
     assert failures_path_for(tmp_path / "out.zarr") == tmp_path / "out.zarr.failures.jsonl"
+
+
+class SlowStore(MemoryStore):
+    """Records how many requests the server had received when each write ended."""
+
+    def __init__(self, server: FakeServer):
+        super().__init__()
+        self.server = server
+        self.seen_at_write: dict[str, int] = {}
+
+    async def write(self, states: HiddenStates) -> None:
+        await anyio.sleep(0.2)
+        self.seen_at_write[states.sample_id] = len(self.server.received)
+        await super().write(states)
+
+
+async def test_the_next_request_is_at_the_server_while_a_sample_is_written(server):
+    store = SlowStore(server)
+    summary = await _run(server, store, _samples(3), concurrency=1)
+    assert summary.ok
+    assert store.seen_at_write["s0"] >= 2  # s1 was sent during s0's write, one at a time
+
+
+async def test_the_summary_reports_time_per_stage(server):
+    summary = await _run(server, SlowStore(server), _samples(2))
+    assert set(summary.stages) == {"server", "dump_wait", "ingest", "store_write"}
+    assert summary.stages["store_write"] >= 0.4 - 0.05
+    assert all(seconds >= 0 for seconds in summary.stages.values())
