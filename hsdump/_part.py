@@ -19,8 +19,10 @@ or the next full-shard write would zero it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -29,6 +31,7 @@ from pydantic import BaseModel, ConfigDict
 
 from hsdump._codecs import bits_dtype, hidden_compressors, small_compressors
 from hsdump._provenance import Provenance
+from hsdump._shardio import ShardIO
 from hsdump._stats import LayerStats, merge_layer_lists
 
 if TYPE_CHECKING:
@@ -44,7 +47,7 @@ _SHARDS_PER_GROW = 64  # capacity grows a fixed step, so few metadata rewrites a
 _IDS_CHUNK_SHARDS = 16
 _INDEX_CHUNK = 16384
 # "c.12.0.0" instead of "c/12/0/0": one directory per array instead of two per shard.
-_FLAT_KEYS = {"name": "default", "separator": "."}
+_FLAT_KEYS: Any = {"name": "default", "separator": "."}
 
 
 class _Frozen(BaseModel):
@@ -95,8 +98,9 @@ def load_part_index(group: zarr.Group, name: str) -> PartIndex:
     n = state.n_committed
     if not n:
         return PartIndex(name, state)
-    rows = np.asarray(group["index/rows"][:n], dtype=np.int64)
-    sids = [str(s) for s in group["index/sample_id"][:n].tolist()]
+    arrays: Any = group
+    rows = np.asarray(arrays["index/rows"][:n], dtype=np.int64)
+    sids = [str(s) for s in np.asarray(arrays["index/sample_id"][:n]).tolist()]
     return PartIndex(name, state, sids, rows)
 
 
@@ -125,6 +129,11 @@ class PartWriter:
         self._next = 0
         self._flushed_to = 0
         self._arrays: dict[str, Any] = {}
+        self._spare: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._inflight: (
+            tuple[int, Future[int], tuple[np.ndarray, np.ndarray, np.ndarray]] | None
+        ) = None
+        self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsdump-shard-writer")
         if index.state.layout is not None:
             self._open_arrays(index.state.layout)
             self._resume(index.state.layout)
@@ -160,9 +169,9 @@ class PartWriter:
         """Place one sample in the shard buffer; commit whatever is now fully on disk."""
         offset, length = self._next, aux.shape[0]
         crc = self._place(aux, final, ids, mask)
-        crc = zlib.crc32(ids, crc)
+        crc = zlib.crc32(ids.data, crc)
         if mask is not None:
-            crc = zlib.crc32(mask, crc)
+            crc = zlib.crc32(mask.data, crc)
         raw = aux.nbytes + final.nbytes
         self._pending.append(
             _Pending(sample_id, offset, length, int(mask is not None), crc, raw, stats)
@@ -183,7 +192,7 @@ class PartWriter:
             buf = self._buf
             buf[row : row + take, :k_aux] = aux[pos : pos + take]
             buf[row : row + take, k_aux] = final[pos : pos + take]
-            crc = zlib.crc32(buf[row : row + take], crc)
+            crc = zlib.crc32(buf[row : row + take].data, crc)
             self._ids[row : row + take] = ids[pos : pos + take]
             self._mask[row : row + take] = 1 if mask is None else mask[pos : pos + take]
             pos += take
@@ -208,7 +217,9 @@ class PartWriter:
     def _open_buffer(self, cur: int) -> int:
         layout = self._layout
         if self._buf_start is None:
-            if not hasattr(self, "_buf"):
+            if self._spare:
+                self._buf, self._ids, self._mask = self._spare.pop()
+            else:
                 shape = (layout.shard_tokens, layout.layers, layout.hidden_size)
                 self._buf = np.empty(shape, bits_dtype(layout.dtype))
                 self._ids = np.empty(layout.shard_tokens, np.int32)
@@ -220,29 +231,58 @@ class PartWriter:
 
     def flush(self) -> None:
         """Write the partial shard and commit every buffered sample."""
+        self._wait_inflight()
         if self._buf_start is not None and self._next > self._flushed_to:
             self._flush_buffer(full=False)
         self._commit_ready()
 
+    def close(self) -> None:
+        """Flush, then stop the background shard writer."""
+        try:
+            self.flush()
+        finally:
+            self._flusher.shutdown(wait=True)
+
     def _flush_buffer(self, *, full: bool) -> None:
+        # One full shard is written in the background while the next one fills (double
+        # buffering); a partial shard (flush/close) is written before returning.
+        self._wait_inflight()
         start = self._buf_start
         assert start is not None
         end = start + self._layout.shard_tokens if full else self._next
         self._ensure_capacity(end)
-        self._arrays["hidden"][start:end] = self._buf[: end - start]
-        self._arrays["input_ids"][start:end] = self._ids[: end - start]
-        self._arrays["loss_mask"][start:end] = self._mask[: end - start]
-        self._flushed_to = end
-        self._account_shard(start // self._layout.shard_tokens)
+        buffers = (self._buf, self._ids, self._mask)
+        job = functools.partial(self._write_rows, start, end, *buffers)
         if full:
+            self._inflight = (end, self._flusher.submit(job), buffers)
             self._buf_start = None
+        else:
+            self._apply_flush(end, job())
 
-    def _account_shard(self, shard: int) -> None:
-        from zarr.core.sync import sync
+    def _write_rows(
+        self, start: int, end: int, buf: np.ndarray, ids: np.ndarray, mask: np.ndarray
+    ) -> int:
+        size = self._shards.write(start // self._layout.shard_tokens, buf[: end - start])
+        self._arrays["input_ids"][start:end] = ids[: end - start]
+        self._arrays["loss_mask"][start:end] = mask[: end - start]
+        return size
 
-        hidden = self._arrays["hidden"]
-        key = f"{hidden.path}/{hidden.metadata.encode_chunk_key((shard, 0, 0))}"
-        size = sync(hidden.store.getsize(key))
+    def _wait_inflight(self, *, block: bool = True) -> None:
+        if self._inflight is None:
+            return
+        end, future, buffers = self._inflight
+        if not block and not future.done():
+            return
+        self._inflight = None
+        self._spare.append(buffers)
+        self._apply_flush(end, future.result())
+
+    def _apply_flush(self, end: int, size: int) -> None:
+        shard_tokens = self._layout.shard_tokens
+        self._flushed_to = end
+        self._account_shard((end - 1) // shard_tokens, size)
+
+    def _account_shard(self, shard: int, size: int) -> None:
         state = self.state
         stored = (
             state.bytes_stored + size - (state.open_shard_bytes if shard == state.open_shard else 0)
@@ -252,6 +292,7 @@ class PartWriter:
         )
 
     def _commit_ready(self) -> None:
+        self._wait_inflight(block=False)
         ready = [p for p in self._pending if p.offset + p.length <= self._flushed_to]
         if not ready:
             return
@@ -304,7 +345,7 @@ class PartWriter:
             attributes={"logical_dtype": layout.dtype, "axes": ["token", "layer", "hidden"]},
             chunk_key_encoding=_FLAT_KEYS,
         )
-        small = {
+        small: dict[str, Any] = {
             "chunks": (shard * _IDS_CHUNK_SHARDS,),
             "fill_value": 0,
             "compressors": small_compressors(),
@@ -312,7 +353,7 @@ class PartWriter:
         }
         self.group.create_array("input_ids", shape=(tokens,), dtype="int32", **small)
         self.group.create_array("loss_mask", shape=(tokens,), dtype="uint8", **small)
-        idx = {"compressors": small_compressors()}
+        idx: dict[str, Any] = {"compressors": small_compressors()}
         self.group.create_array(
             "index/rows",
             shape=(_INDEX_CHUNK, 4),
@@ -335,6 +376,7 @@ class PartWriter:
             "rows": g["index/rows"],
             "sample_id": g["index/sample_id"],
         }
+        self._shards = ShardIO(self._arrays["hidden"], layout)
 
     def _ensure_capacity(self, end: int) -> None:
         hidden = self._arrays["hidden"]
@@ -363,7 +405,7 @@ class PartWriter:
         if head:
             # The next write of this shard rewrites it whole: keep its committed head.
             start = self._open_buffer(self._next)
-            self._buf[:head] = self._arrays["hidden"][start : self._next]
+            self._buf[:head] = self._shards.read(start, self._next, self._buf.dtype)
             self._ids[:head] = self._arrays["input_ids"][start : self._next]
             self._mask[:head] = self._arrays["loss_mask"][start : self._next]
         self._drop_stray_chunks(-(-self._next // shard))

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from hsdump._codecs import bits_to_tensor
+from hsdump._codecs import bits_dtype, bits_to_tensor
 from hsdump._exceptions import StoreCorruptedError
 
 if TYPE_CHECKING:
@@ -59,21 +59,41 @@ class PartReader:
 
     def __init__(self, root: zarr.Group, index: PartIndex) -> None:
         self._root = root
-        self.index = index
         self._arrays: tuple[Any, Any, Any] | None = None
+        self.index = index
+
+    @property
+    def index(self) -> PartIndex:
+        """The committed rows this reader serves (replaced on commit or refresh)."""
+        return self._index
+
+    @index.setter
+    def index(self, index: PartIndex) -> None:
+        self._index = index
+        rows = index.rows
+        self._committed_end = int((rows[:, 0] + rows[:, 1]).max()) if len(rows) else 0
+        if self._arrays is not None:
+            self._arrays[0].stable_below = self._committed_end
 
     def _open(self) -> tuple[Any, Any, Any]:
         if self._arrays is None:
-            g = self._root[self.index.name]
-            self._arrays = (g["hidden"], g["input_ids"], g["loss_mask"])
+            from hsdump._shardio import FlatChunks, ShardIO
+
+            g: Any = self._root[self.index.name]
+            assert self.index.state.layout is not None
+            shards = ShardIO(g["hidden"], self.index.state.layout)
+            self._arrays = (shards, FlatChunks(g["input_ids"]), FlatChunks(g["loss_mask"]))
+            shards.stable_below = self._committed_end
         return self._arrays
 
     def read_raw(self, row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """The stored bits ``[T, K+1, H]``, int32 ids and uint8 mask (or None) of a row."""
         offset, length, has_mask, _ = (int(v) for v in self.index.rows[row])
-        hidden, ids, mask = self._open()
-        sel = slice(offset, offset + length)
-        return hidden[sel], ids[sel], mask[sel] if has_mask else None
+        shards, ids, mask = self._open()
+        stop = offset + length
+        assert self.index.state.layout is not None
+        bits = shards.read(offset, stop, bits_dtype(self.index.state.layout.dtype))
+        return bits, ids.read(offset, stop), mask.read(offset, stop) if has_mask else None
 
     def checksum_error(self, row: int) -> str | None:
         """Why a row's stored bytes are bad, or None when they match the checksum."""
@@ -81,9 +101,9 @@ class PartReader:
             bits, ids, mask = self.read_raw(row)
         except Exception as exc:  # any decode failure means the bytes are damaged
             return f"cannot decode: {type(exc).__name__}: {exc}"
-        crc = zlib.crc32(ids, zlib.crc32(np.ascontiguousarray(bits)))
+        crc = zlib.crc32(ids.data, zlib.crc32(np.ascontiguousarray(bits).data))
         if mask is not None:
-            crc = zlib.crc32(mask, crc)
+            crc = zlib.crc32(mask.data, crc)
         expected = int(self.index.rows[row, 3])
         return None if crc == expected else f"checksum {crc:#010x} != committed {expected:#010x}"
 

@@ -8,17 +8,14 @@ sums are merged with Chan's parallel formula, so statistics of several writers c
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-if TYPE_CHECKING:
-    import torch
-
-__all__ = ["LayerStats", "merge_layer_lists", "tensor_stats"]
+__all__ = ["LayerStats", "array_stats", "merge_layer_lists"]
 
 # Rows per block: float32 row sums stay accurate and temporaries stay small.
-_BLOCK_ROWS = 512
+_BLOCK_ROWS = 256
 
 
 class LayerStats(BaseModel):
@@ -85,33 +82,43 @@ def merge_layer_lists(a: list[LayerStats], b: list[LayerStats]) -> list[LayerSta
     return [x.merge(y) for x, y in zip(a, b, strict=True)]
 
 
-def tensor_stats(x: torch.Tensor, layers: list[int | str]) -> list[LayerStats]:
-    """Statistics of ``x`` ``[T, L, H]`` per layer (dimension 1)."""
-    import torch
+def array_stats(bits: np.ndarray, dtype: str, layers: list[int | str]) -> list[LayerStats]:
+    """Statistics per layer (axis 1) of stored float bits ``[T, L, H]`` of logical ``dtype``.
 
+    numpy, in blocks of rows: single-threaded, so it does not fight the codec threads for cores.
+    """
     total = [LayerStats(layer=name) for name in layers]
-    for start in range(0, x.shape[0], _BLOCK_ROWS):
-        block = x[start : start + _BLOCK_ROWS]
-        # Reductions over the contiguous last axis run at memory speed; a NaN or Inf (or a float32
-        # overflow of the squares) shows up in the row sums and sends the block to the exact path.
-        sums = block.sum(2, dtype=torch.float32)
-        norms = torch.linalg.vector_norm(block, dim=2, dtype=torch.float32)
-        if bool(torch.isfinite(sums).all()) and bool(torch.isfinite(norms).all()):
-            part = _block_stats(block, sums.double().sum(0), norms.double().square().sum(0), None)
+    for start in range(0, bits.shape[0], _BLOCK_ROWS):
+        values = _as_float32(bits[start : start + _BLOCK_ROWS], dtype)
+        with np.errstate(over="ignore", invalid="ignore"):
+            sums = values.sum(-1)
+            squares = np.einsum("tlh,tlh->tl", values, values)
+        # A NaN or Inf (or float32 overflow of a square) shows in the row sums: exact path.
+        if np.isfinite(sums).all() and np.isfinite(squares).all():
+            part = _block_stats(
+                values, sums.sum(0, dtype=np.float64), squares.sum(0, dtype=np.float64), None
+            )
         else:
-            part = _nonfinite_block_stats(block)
-        total = merge_layer_lists(
-            total, [p.model_copy(update={"layer": n}) for p, n in zip(part, layers, strict=True)]
-        )
+            part = _nonfinite_block_stats(values)
+        named = [p.model_copy(update={"layer": n}) for p, n in zip(part, layers, strict=True)]
+        total = merge_layer_lists(total, named)
     return total
 
 
+def _as_float32(bits: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    if dtype == "float16":
+        return bits.view(np.float16).astype(np.float32)
+    return bits.view(np.float32)
+
+
 def _block_stats(
-    block: torch.Tensor, sums: torch.Tensor, squares: torch.Tensor, bad: torch.Tensor | None
+    values: np.ndarray, sums: np.ndarray, squares: np.ndarray, bad: np.ndarray | None
 ) -> list[LayerStats]:
-    rows, layers, hidden = block.shape
-    bad_counts = [0] * layers if bad is None else bad.tolist()
-    max_abs = block.abs().amax(dim=(0, 2)).float().tolist() if rows else [0.0] * layers
+    rows, layers, hidden = values.shape
+    bad_counts = [0] * layers if bad is None else [int(b) for b in bad]
+    max_abs = np.abs(values).max(axis=(0, 2)) if rows else np.zeros(layers)
     out = []
     for i in range(layers):
         n = rows * hidden - bad_counts[i]
@@ -119,17 +126,20 @@ def _block_stats(
         m2 = max(float(squares[i]) - n * mean * mean, 0.0)
         out.append(
             LayerStats(
-                layer=i, count=n, mean=mean, m2=m2, max_abs=max_abs[i], non_finite=bad_counts[i]
+                layer=i,
+                count=n,
+                mean=mean,
+                m2=m2,
+                max_abs=float(max_abs[i]),
+                non_finite=bad_counts[i],
             )
         )
     return out
 
 
-def _nonfinite_block_stats(block: torch.Tensor) -> list[LayerStats]:
-    import torch
-
-    values = block.double()
-    finite = torch.isfinite(values)
-    bad = (~finite).sum(dim=(0, 2))
-    values = torch.where(finite, values, 0.0)
-    return _block_stats(values, values.sum(dim=(0, 2)), values.square().sum(dim=(0, 2)), bad)
+def _nonfinite_block_stats(values: np.ndarray) -> list[LayerStats]:
+    wide = values.astype(np.float64)
+    finite = np.isfinite(wide)
+    bad = (~finite).sum(axis=(0, 2))
+    wide = np.where(finite, wide, 0.0)
+    return _block_stats(wide, wide.sum(axis=(0, 2)), np.square(wide).sum(axis=(0, 2)), bad)

@@ -11,22 +11,28 @@ Readers merge the part indexes in RAM (a few ms for 37,000 samples); nothing lis
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import functools
 import logging
 import os
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from hsdump._codecs import Compression, chunk_tokens_for, codec_description, torch_dtype_name
+from hsdump._backend import (
+    Mode,
+    check_tensors,
+    describe,
+    ids_int32,
+    local_dir,
+    lock_part,
+    open_root,
+    os_error,
+)
+from hsdump._codecs import Compression, chunk_tokens_for, codec_description
 from hsdump._exceptions import (
     ConfigError,
-    InputError,
     SampleExistsError,
     SampleNotFoundError,
     StoreError,
@@ -42,7 +48,7 @@ from hsdump._part import (
 )
 from hsdump._provenance import Provenance, check_compatible, provenance_of
 from hsdump._reader import PartReader, VerifyReport, verify_parts
-from hsdump._stats import LayerStats, merge_layer_lists, tensor_stats
+from hsdump._stats import LayerStats, array_stats, merge_layer_lists
 
 if TYPE_CHECKING:
     import zarr
@@ -53,12 +59,9 @@ __all__ = ["HiddenStateStore", "VerifyReport", "open_store", "verify_store"]
 
 logger = logging.getLogger(__name__)
 
-Mode = Literal["r", "a", "w"]
 IfExists = Literal["error", "skip"]
-ROOT_KEY = "hsdump_store"
 DEFAULT_WRITER_ID = "default"
 DEFAULT_SHARD_TOKENS = 4096
-_LOCK_FILE = ".hsdump-writer.lock"
 
 
 def open_store(
@@ -99,7 +102,7 @@ def open_store(
         raise ConfigError(
             f"shard_tokens and chunk_tokens must be positive, got {shard_tokens}, {chunk_tokens}"
         )
-    root = _open_root(path, mode)
+    root = open_root(path, mode)
     return HiddenStateStore(
         root,
         mode=mode,
@@ -108,7 +111,7 @@ def open_store(
         shard_tokens=shard_tokens,
         chunk_tokens=chunk_tokens,
         verify_reads=verify_reads,
-        where=_describe(path),
+        where=describe(path),
     )
 
 
@@ -116,60 +119,6 @@ def verify_store(path: str | os.PathLike[str] | Any) -> VerifyReport:
     """Recompute the checksum of every committed sample of the store at ``path``."""
     with open_store(path, "r") as store:
         return store.verify()
-
-
-def _describe(path: Any) -> str:
-    return str(path) if isinstance(path, (str, os.PathLike)) else type(path).__name__
-
-
-def _open_root(path: Any, mode: Mode) -> zarr.Group:
-    import zarr
-    from zarr.storage import LocalStore
-
-    store = LocalStore(os.fspath(path), read_only=mode == "r") if _is_local(path) else path
-    where = _describe(path)
-    try:
-        root = zarr.open_group(store=store, mode="r")
-    except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
-        if mode == "r":
-            raise StoreError(
-                f"no store at {where}: check the path, or write samples first"
-            ) from exc
-        return _create_root(store, where)
-    except OSError as exc:
-        raise _os_error(exc, where) from exc
-    if ROOT_KEY not in root.attrs:
-        raise StoreError(f"{where} is a zarr group but not an hsdump store: choose another path")
-    if mode == "w":
-        raise StoreError(
-            f"a store already exists at {where}: open it with mode='a' to append or resume, "
-            "or delete it to start over"
-        )
-    return root if mode == "r" else zarr.open_group(store=store, mode="r+")
-
-
-def _create_root(store: Any, where: str) -> zarr.Group:
-    import zarr
-
-    try:
-        return zarr.open_group(
-            store=store, mode="a", attributes={ROOT_KEY: {"format": "hsdump-store", "version": 1}}
-        )
-    except OSError as exc:
-        raise _os_error(exc, where) from exc
-
-
-def _is_local(path: Any) -> bool:
-    return isinstance(path, os.PathLike) or (isinstance(path, str) and "://" not in path)
-
-
-def _os_error(exc: OSError, where: str) -> StoreError:
-    if exc.errno == errno.ENOSPC:
-        return StoreError(
-            f"no space left on the device of {where}: free space and rerun; committed samples "
-            "are safe and the rerun resumes after them"
-        )
-    return StoreError(f"I/O error on the store at {where}: {exc}")
 
 
 class HiddenStateStore:
@@ -238,7 +187,7 @@ class HiddenStateStore:
         try:
             groups = [(n, g) for n, g in self._root.groups() if n.startswith(PART_PREFIX)]
         except OSError as exc:
-            raise _os_error(exc, self.where) from exc
+            raise os_error(exc, self.where) from exc
         return sorted((n, g) for n, g in groups if STATE_KEY in g.attrs)
 
     def _add_rows(self, index: PartIndex, n0: int, n1: int) -> None:
@@ -255,7 +204,7 @@ class HiddenStateStore:
         name = PART_PREFIX + writer_id
         try:
             group = self._root.require_group(name)
-            self._lock_fd = _lock_part(self._root, name, self.where)
+            self._lock_fd = lock_part(self._root, name, self.where)
             if STATE_KEY not in group.attrs:
                 group.update_attributes(
                     {STATE_KEY: PartState(writer_id=writer_id).model_dump(mode="json")}
@@ -263,13 +212,13 @@ class HiddenStateStore:
             index = load_part_index(group, name)
             writer = PartWriter(group, index, on_commit=self._on_commit)
         except OSError as exc:
-            raise _os_error(exc, self.where) from exc
+            raise os_error(exc, self.where) from exc
         self._readers[name] = PartReader(self._root, index)
         self._cleanup_partials(name)
         return writer
 
     def _cleanup_partials(self, name: str) -> None:
-        local = _local_dir(self._root)
+        local = local_dir(self._root)
         if local is None:
             return
         # A killed zarr LocalStore write leaves its temp file; the real key was never replaced.
@@ -316,13 +265,13 @@ class HiddenStateStore:
             try:
                 self._write_locked(writer, hs)
             except OSError as exc:
-                raise _os_error(exc, self.where) from exc
+                raise os_error(exc, self.where) from exc
             return True
 
     def _write_locked(self, writer: PartWriter, hs: HiddenStates) -> None:
         from hsdump._codecs import tensor_to_bits
 
-        dtype = _check_tensors(hs)
+        dtype = check_tensors(hs)
         prov = provenance_of(
             hs, dtype, codec_description(self._compression, 2 if dtype != "float32" else 4)
         )
@@ -345,13 +294,15 @@ class HiddenStateStore:
             )
         elif writer.provenance is None:
             writer.set_layout(writer.state.layout, prov)
-        aux, final = hs.aux_hidden_states.detach().cpu(), hs.final_hidden_state.detach().cpu()
-        stats = tensor_stats(aux, list(hs.layer_ids)) + tensor_stats(final.unsqueeze(1), ["final"])
-        ids = _ids_int32(hs)
-        mask = (
-            None if hs.loss_mask is None else hs.loss_mask.detach().cpu().to(dtype=_uint8()).numpy()
+        aux, final = tensor_to_bits(hs.aux_hidden_states), tensor_to_bits(hs.final_hidden_state)
+        stats = array_stats(aux, dtype, list(hs.layer_ids)) + array_stats(
+            final[:, None], dtype, ["final"]
         )
-        writer.add(hs.sample_id, tensor_to_bits(aux), tensor_to_bits(final), ids, mask, stats)
+        ids = ids_int32(hs)
+        mask = None
+        if hs.loss_mask is not None:
+            mask = hs.loss_mask.detach().cpu().numpy().astype(np.uint8, copy=False)
+        writer.add(hs.sample_id, aux, final, ids, mask, stats)
 
     def _check_provenance(self, writer: PartWriter, prov: Provenance, sample_id: str) -> None:
         known = writer.provenance
@@ -387,7 +338,7 @@ class HiddenStateStore:
                 try:
                     self._writer.flush()
                 except OSError as exc:
-                    raise _os_error(exc, self.where) from exc
+                    raise os_error(exc, self.where) from exc
 
     def close(self) -> None:
         """Commit buffered samples and release this writer's part. Idempotent."""
@@ -395,7 +346,11 @@ class HiddenStateStore:
             if self._closed:
                 return
             try:
-                self.flush_sync()
+                if self._writer is not None:
+                    try:
+                        self._writer.close()
+                    except OSError as exc:
+                        raise os_error(exc, self.where) from exc
             finally:
                 self._closed = True
                 if self._lock_fd is not None:
@@ -463,9 +418,15 @@ class HiddenStateStore:
             out[sid] = int(self._readers[part].index.rows[row, 1])
         return out
 
-    def locate(self, sample_id: str) -> tuple[str, int]:
-        """The part and row holding a committed sample."""
-        return self._where[sample_id]
+    def locate(self, sample_id: str) -> tuple[str, int, int]:
+        """Where a committed sample lives: ``(part, token offset, length)``.
+
+        Rows ``[offset, offset + length)`` of ``<part>/hidden``, ``<part>/input_ids`` and
+        ``<part>/loss_mask`` hold it, readable with plain zarr.
+        """
+        part, row = self._where[sample_id]
+        offset, length = self._readers[part].index.rows[row, :2]
+        return part, int(offset), int(length)
 
     @property
     def provenance(self) -> Provenance | None:
@@ -506,73 +467,3 @@ class HiddenStateStore:
         """Re-read committed samples and compare their checksums; see :class:`VerifyReport`."""
         targets = list(self._where) if sample_ids is None else sample_ids
         return verify_parts(self._readers, self._where, targets, self.duplicates, progress=progress)
-
-
-def _check_tensors(hs: HiddenStates) -> str:
-    aux, final, ids = hs.aux_hidden_states, hs.final_hidden_state, hs.input_ids
-    t = int(ids.shape[0]) if ids.dim() == 1 else -1
-    k = len(hs.layer_ids)
-    if ids.dim() != 1 or t == 0 or aux.dim() != 3 or final.dim() != 2:
-        raise InputError(
-            f"expected input_ids [T], aux [T, K, H] and final [T, H], found {tuple(ids.shape)}, "
-            f"{tuple(aux.shape)} and {tuple(final.shape)}",
-            sample_id=hs.sample_id,
-        )
-    h = int(final.shape[1])
-    if tuple(aux.shape) != (t, k, h) or int(final.shape[0]) != t:
-        raise InputError(
-            f"shapes do not fit: input_ids has T={t}, layer_ids K={k}, final H={h}, so aux must "
-            f"be {(t, k, h)} and final {(t, h)}; found {tuple(aux.shape)} and {tuple(final.shape)}",
-            sample_id=hs.sample_id,
-        )
-    if hs.loss_mask is not None and tuple(hs.loss_mask.shape) != (t,):
-        raise InputError(
-            f"loss_mask must be [{t}], found {tuple(hs.loss_mask.shape)}", sample_id=hs.sample_id
-        )
-    dtype = torch_dtype_name(aux)
-    if final.dtype != aux.dtype:
-        raise InputError(
-            f"aux is {aux.dtype} but final is {final.dtype}: they must match",
-            sample_id=hs.sample_id,
-        )
-    return dtype
-
-
-def _ids_int32(hs: HiddenStates) -> np.ndarray:
-    ids = hs.input_ids.detach().cpu().numpy()
-    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
-        raise InputError(
-            "input_ids must be in [0, 2**31): token ids are stored as int32", sample_id=hs.sample_id
-        )
-    return np.ascontiguousarray(ids, dtype=np.int32)
-
-
-def _uint8() -> Any:
-    import torch
-
-    return torch.uint8
-
-
-def _local_dir(root: zarr.Group) -> Path | None:
-    from zarr.storage import LocalStore
-
-    if not isinstance(root.store, LocalStore):
-        return None
-    return Path(root.store.root) / root.store_path.path
-
-
-def _lock_part(root: zarr.Group, name: str, where: str) -> int | None:
-    """Hold an exclusive lock on a local part while it is open; the OS frees it if we die."""
-    local = _local_dir(root)
-    if local is None:
-        return None
-    fd = os.open(local / name / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError as exc:
-        os.close(fd)
-        raise StoreError(
-            f"another live process is writing part {name!r} of {where}: give each concurrent "
-            "writer its own writer_id (one part per writer)"
-        ) from exc
-    return fd

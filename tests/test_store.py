@@ -108,6 +108,26 @@ def test_samples_survive_close_reopen_and_appending_into_a_partial_shard(tmp_pat
         assert store.verify().clean
 
 
+def test_plain_zarr_reads_the_bits_hsdump_wrote(tmp_path: Path) -> None:
+    import zarr
+
+    path = tmp_path / "s.zarr"
+    with open_test_store(str(path)) as store:
+        for i in range(6):
+            store.write_sync(make_sample(i))
+        store.flush_sync()
+        part, offset, length = store.locate("s4")
+    group = zarr.open_group(path, mode="r")
+    bits = group[f"{part}/hidden"][offset : offset + length]
+    assert group[f"{part}/hidden"].attrs["logical_dtype"] == "bfloat16"
+    want = make_sample(4)
+    assert np.array_equal(bits[:, :3], want.aux_hidden_states.view(torch.uint16).numpy())
+    assert np.array_equal(bits[:, 3], want.final_hidden_state.view(torch.uint16).numpy())
+    assert np.array_equal(
+        group[f"{part}/input_ids"][offset : offset + length], want.input_ids.numpy()
+    )
+
+
 def test_buffered_samples_become_visible_on_flush() -> None:
     with open_store(MemoryStore(), "a", shard_tokens=4096, chunk_tokens=16) as store:
         store.write_sync(make_sample(1))

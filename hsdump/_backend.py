@@ -1,0 +1,152 @@
+"""The edges of the store: opening zarr roots, locking parts, checking samples, OS errors."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from hsdump._codecs import torch_dtype_name
+from hsdump._exceptions import InputError, StoreError
+
+if TYPE_CHECKING:
+    import zarr
+
+    from hsdump._types import HiddenStates
+
+__all__ = [
+    "ROOT_KEY",
+    "check_tensors",
+    "describe",
+    "ids_int32",
+    "local_dir",
+    "lock_part",
+    "open_root",
+    "os_error",
+]
+
+Mode = Literal["r", "a", "w"]
+ROOT_KEY = "hsdump_store"
+_LOCK_FILE = ".hsdump-writer.lock"
+
+
+def describe(path: Any) -> str:
+    return str(path) if isinstance(path, (str, os.PathLike)) else type(path).__name__
+
+
+def open_root(path: Any, mode: Mode) -> zarr.Group:
+    import zarr
+    from zarr.storage import LocalStore
+
+    store = LocalStore(os.fspath(path), read_only=mode == "r") if _is_local(path) else path
+    where = describe(path)
+    try:
+        root = zarr.open_group(store=store, mode="r")
+    except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
+        if mode == "r":
+            raise StoreError(
+                f"no store at {where}: check the path, or write samples first"
+            ) from exc
+        return _create_root(store, where)
+    except OSError as exc:
+        raise os_error(exc, where) from exc
+    if ROOT_KEY not in root.attrs:
+        raise StoreError(f"{where} is a zarr group but not an hsdump store: choose another path")
+    if mode == "w":
+        raise StoreError(
+            f"a store already exists at {where}: open it with mode='a' to append or resume, "
+            "or delete it to start over"
+        )
+    return root if mode == "r" else zarr.open_group(store=store, mode="r+")
+
+
+def _create_root(store: Any, where: str) -> zarr.Group:
+    import zarr
+
+    try:
+        return zarr.open_group(
+            store=store, mode="a", attributes={ROOT_KEY: {"format": "hsdump-store", "version": 1}}
+        )
+    except OSError as exc:
+        raise os_error(exc, where) from exc
+
+
+def _is_local(path: Any) -> bool:
+    return isinstance(path, os.PathLike) or (isinstance(path, str) and "://" not in path)
+
+
+def os_error(exc: OSError, where: str) -> StoreError:
+    if exc.errno == errno.ENOSPC:
+        return StoreError(
+            f"no space left on the device of {where}: free space and rerun; committed samples "
+            "are safe and the rerun resumes after them"
+        )
+    return StoreError(f"I/O error on the store at {where}: {exc}")
+
+
+def check_tensors(hs: HiddenStates) -> str:
+    aux, final, ids = hs.aux_hidden_states, hs.final_hidden_state, hs.input_ids
+    t = int(ids.shape[0]) if ids.dim() == 1 else -1
+    k = len(hs.layer_ids)
+    if ids.dim() != 1 or t == 0 or aux.dim() != 3 or final.dim() != 2:
+        raise InputError(
+            f"expected input_ids [T], aux [T, K, H] and final [T, H], found {tuple(ids.shape)}, "
+            f"{tuple(aux.shape)} and {tuple(final.shape)}",
+            sample_id=hs.sample_id,
+        )
+    h = int(final.shape[1])
+    if tuple(aux.shape) != (t, k, h) or int(final.shape[0]) != t:
+        raise InputError(
+            f"shapes do not fit: input_ids has T={t}, layer_ids K={k}, final H={h}, so aux must "
+            f"be {(t, k, h)} and final {(t, h)}; found {tuple(aux.shape)} and {tuple(final.shape)}",
+            sample_id=hs.sample_id,
+        )
+    if hs.loss_mask is not None and tuple(hs.loss_mask.shape) != (t,):
+        raise InputError(
+            f"loss_mask must be [{t}], found {tuple(hs.loss_mask.shape)}", sample_id=hs.sample_id
+        )
+    dtype = torch_dtype_name(aux)
+    if final.dtype != aux.dtype:
+        raise InputError(
+            f"aux is {aux.dtype} but final is {final.dtype}: they must match",
+            sample_id=hs.sample_id,
+        )
+    return dtype
+
+
+def ids_int32(hs: HiddenStates) -> np.ndarray:
+    ids = hs.input_ids.detach().cpu().numpy()
+    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
+        raise InputError(
+            "input_ids must be in [0, 2**31): token ids are stored as int32", sample_id=hs.sample_id
+        )
+    return np.ascontiguousarray(ids, dtype=np.int32)
+
+
+def local_dir(root: zarr.Group) -> Path | None:
+    from zarr.storage import LocalStore
+
+    if not isinstance(root.store, LocalStore):
+        return None
+    return Path(root.store.root) / root.store_path.path
+
+
+def lock_part(root: zarr.Group, name: str, where: str) -> int | None:
+    """Hold an exclusive lock on a local part while it is open; the OS frees it if we die."""
+    local = local_dir(root)
+    if local is None:
+        return None
+    fd = os.open(local / name / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError as exc:
+        os.close(fd)
+        raise StoreError(
+            f"another live process is writing part {name!r} of {where}: give each concurrent "
+            "writer its own writer_id (one part per writer)"
+        ) from exc
+    return fd
