@@ -45,7 +45,7 @@ PART_PREFIX = "part-"
 STATE_KEY = "hsdump_part"
 _SHARDS_PER_GROW = 64  # capacity grows a fixed step, so few metadata rewrites and few stray shards
 _IDS_CHUNK_SHARDS = 16
-_INDEX_CHUNK = 16384
+_INDEX_CHUNK = 4096  # rows; rewritten (read-modify-write) on each commit
 # "c.12.0.0" instead of "c/12/0/0": one directory per array instead of two per shard.
 _FLAT_KEYS: Any = {"name": "default", "separator": "."}
 
