@@ -1,4 +1,4 @@
-"""The single entry point for checks: `nox -s tests`, `nox -s lint`, `nox -s mypy`, `nox -s bench`."""
+"""The single entry point for checks: `nox -s tests`, `lint`, `mypy`, `bench`."""
 
 from __future__ import annotations
 

@@ -155,7 +155,9 @@ def _print_summary(summary: Any, failures_path: Path) -> None:
     if summary.stages:
         busiest = max(summary.stages, key=summary.stages.get)
         stages = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in summary.stages.items())
-        console.print(f"time per stage (overlapping): {stages}; busiest: {busiest}", highlight=False)
+        console.print(
+            f"time per stage (overlapping): {stages}; busiest: {busiest}", highlight=False
+        )
     if summary.failures:
         console.print(f"[red]failures recorded in {failures_path}[/]", highlight=False)
 

@@ -89,7 +89,7 @@ class HiddenStateClient:
 
     Example::
 
-        async with HiddenStateClient("http://127.0.0.1:30000", dump_dir="/dev/shm/hsdump") as client:
+        async with HiddenStateClient("http://127.0.0.1:30000", dump_dir="/dev/shm/hs") as client:
             states = await client.extract(Sample(id="s1", input_ids=[1, 2, 3]))
 
     Args:
@@ -296,7 +296,8 @@ class HiddenStateClient:
                 self.stats.dump_wait_s += time.perf_counter() - waited
             except TimeoutError:
                 error = DumpTimeout(
-                    f"the server answered, but no dump appeared in {request_dir(self.dump_dir, rid)}"
+                    "the server answered, but no dump appeared in "
+                    f"{request_dir(self.dump_dir, rid)}"
                     f" within {self.dump_timeout:g} s. Is the server dumping into this directory "
                     f"(HSDUMP_DUMP_DIR) with the rid prefix {self.rid_prefix!r}?",
                     sample_id=sample.id,

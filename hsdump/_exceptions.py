@@ -83,7 +83,9 @@ class HsdumpError(Exception):
         self.sample_id = sample_id
         self.rid = rid
         context = ", ".join(
-            f"{name} {value!r}" for name, value in (("sample", sample_id), ("request", rid)) if value
+            f"{name} {value!r}"
+            for name, value in (("sample", sample_id), ("request", rid))
+            if value
         )
         super().__init__(f"[{context}] {message}" if context else message)
 

@@ -1,4 +1,4 @@
-"""A fake patched server for tests: real HTTP, real dump files, deterministic states, faults on demand.
+"""A fake patched server for tests: real HTTP, real dump files, deterministic states, faults.
 
 Public through :mod:`hsdump.testing`.
 """
@@ -168,7 +168,7 @@ class FakeEngine:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def dump(self, rid: str, ids: list[int], fault: Fault = Fault()) -> Path:  # noqa: B008
+    def dump(self, rid: str, ids: list[int], fault: Fault = Fault()) -> Path:
         """Write the dump of request ``rid`` for ``ids``, applying ``fault``."""
         if fault.kind == "error_marker":
             return write_error(self.dump_dir, rid, "injected capture failure", PRODUCER)
@@ -194,7 +194,6 @@ class FakeEngine:
         self.dumped.append(rid)
         return path
 
-
     def _states(self, ids: list[int], layers: list[int]) -> tuple[np.ndarray, np.ndarray]:
         if self._pool is None or len(ids) > self._pool[0].shape[0]:
             return fake_states(ids, layers, self.hidden_size)
@@ -203,7 +202,7 @@ class FakeEngine:
 
 
 def _random_pool(tokens: int, layers: int, hidden: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """Random-normal bf16 states to slice from, for benchmarks where generating states must be free."""
+    """Random-normal bf16 states to slice from, for benchmarks (generating states is free)."""
     if tokens <= 0:
         return None
     values = np.random.default_rng(0).standard_normal((tokens, layers, hidden), dtype=np.float32)

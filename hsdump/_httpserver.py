@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 
 class GenerateRequest(BaseModel):
-    """The fields of SGLang's ``/generate`` body that hsdump sends (others are ignored, as SGLang does)."""
+    """The fields of SGLang's ``/generate`` body that hsdump sends (SGLang ignores others too)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -46,7 +46,7 @@ class GenerateRequest(BaseModel):
     stream: bool = False
 
 
-class RequestRejected(Exception):  # noqa: N818 - mirrors an HTTP rejection, not a bug
+class RequestRejected(Exception):
     """Raised by an engine to answer with an HTTP error status."""
 
     def __init__(self, status_code: int, message: str):
@@ -54,8 +54,8 @@ class RequestRejected(Exception):  # noqa: N818 - mirrors an HTTP rejection, not
         self.status_code = status_code
 
 
-class DropConnection(Exception):  # noqa: N818 - an instruction to the server, not a bug
-    """Raised by an engine to cut the connection after the response headers (a reset mid-request)."""
+class DropConnection(Exception):
+    """Raised by an engine to cut the connection after the headers (a reset mid-request)."""
 
 
 class Engine(Protocol):

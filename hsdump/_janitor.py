@@ -81,7 +81,9 @@ def _is_stale(
     return now - entry.stat(follow_symlinks=False).st_mtime > stale_after
 
 
-def remove_stale(root: Path, *, rid_prefix: str = DEFAULT_RID_PREFIX, stale_after: float = 3600.0) -> int:
+def remove_stale(
+    root: Path, *, rid_prefix: str = DEFAULT_RID_PREFIX, stale_after: float = 3600.0
+) -> int:
     """Remove dumps and temp dirs no live client can own; returns how many were removed."""
     if not root.is_dir():
         return 0
@@ -90,10 +92,10 @@ def remove_stale(root: Path, *, rid_prefix: str = DEFAULT_RID_PREFIX, stale_afte
     owned = re.compile(re.escape(REQ_PREFIX + rid_prefix) + r"([0-9a-f]{12})-[0-9a-f]{16}$")
     with os.scandir(root) as entries:
         for entry in entries:
-            if entry.name.startswith(ours) and entry.is_dir(follow_symlinks=False):
-                if _is_stale(root, entry, owned, now, stale_after):
-                    shutil.rmtree(entry.path, ignore_errors=True)
-                    removed += 1
+            mine = entry.name.startswith(ours) and entry.is_dir(follow_symlinks=False)
+            if mine and _is_stale(root, entry, owned, now, stale_after):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed += 1
     _remove_dead_leases(root)
     if removed:
         logger.info("removed %d stale dump directories from %s", removed, root)

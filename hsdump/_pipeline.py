@@ -275,7 +275,10 @@ class _Run:
         return todo
 
     async def extractor(
-        self, queue: Iterator[Sample], out: MemoryObjectSendStream[_Extracted], scope: anyio.CancelScope
+        self,
+        queue: Iterator[Sample],
+        out: MemoryObjectSendStream[_Extracted],
+        scope: anyio.CancelScope,
     ) -> None:
         async with out:
             for sample in queue:
@@ -288,7 +291,9 @@ class _Run:
                     scope.cancel()
                     return
 
-    async def writer(self, results: MemoryObjectReceiveStream[_Extracted], scope: anyio.CancelScope) -> None:
+    async def writer(
+        self, results: MemoryObjectReceiveStream[_Extracted], scope: anyio.CancelScope
+    ) -> None:
         async with results:
             async for sample, states, attempt in results:
                 committed = await self.commit(sample, states, attempt)

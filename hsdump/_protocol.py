@@ -1,9 +1,9 @@
 """Dump protocol v1: the on-disk contract between a producer (a server) and the client.
 
 This module is the only implementation of the format; ``docs/protocol.md`` is its specification.
-It imports nothing heavier than pydantic (numpy only inside :func:`read_dump`), so the SGLang plugin,
-the reference server, the test fakes and the client all share it without pulling in the client's
-dependencies.
+It imports nothing heavier than pydantic (numpy only inside :func:`read_dump`), so the SGLang
+plugin, the reference server, the test fakes and the client all share it without pulling in the
+client's dependencies.
 
 Layout of a dump root::
 
@@ -107,7 +107,7 @@ def validate_rid(rid: str) -> str:
 
 
 def is_opted_in(rid: object, prefix: str = DEFAULT_RID_PREFIX) -> bool:
-    """Whether a producer should dump the request ``rid`` (it carries the opt-in prefix and is safe)."""
+    """Whether a producer should dump request ``rid``: it carries the opt-in prefix and is safe."""
     return isinstance(rid, str) and rid.startswith(prefix) and _RID_RE.fullmatch(rid) is not None
 
 
@@ -131,10 +131,10 @@ class Capabilities(_Model):
     """What a producer guarantees about its captures."""
 
     chunked_prefill_assembly: bool = Field(
-        description="Chunks of one prefill are assembled into one dump (else chunked prefill must be off)."
+        description="Chunks of one prefill become one dump (else chunked prefill must be off)."
     )
     prefix_cache_guard: bool = Field(
-        description="A request with cached prefix tokens publishes an error instead of a short dump."
+        description="A request with cached prefix tokens gets an error, never a short dump."
     )
 
 
@@ -189,7 +189,7 @@ class DumpErrorInfo(_Model):
 
 
 class ProducerManifest(_Model):
-    """``_producers/<host>-<pid>-<rank>.json``: a producer announcing that it dumps into this root."""
+    """``_producers/<host>-<pid>-<rank>.json``: a producer announcing it dumps into this root."""
 
     format: Literal["hsdump-producer"] = "hsdump-producer"
     version: Literal[1] = 1
@@ -311,7 +311,9 @@ class DumpWriter:
         if meta.rid != self.rid or meta.num_tokens != self.num_tokens:
             raise ValueError(f"meta for {meta.rid!r}/{meta.num_tokens} does not match this writer")
         if not self.coverage_complete():
-            raise ValueError(f"rows written {sorted(self._covered)} do not cover [0, {self.num_tokens})")
+            raise ValueError(
+                f"rows written {sorted(self._covered)} do not cover [0, {self.num_tokens})"
+            )
         self._close_fds(sync=True)
         _write_json_atomic(self.tmp / META_FILE, meta.model_dump_json())
         (self.tmp / DONE_MARKER).touch()
@@ -449,4 +451,3 @@ def _error_reason(path: Path) -> str:
 def remove_dump(path: str | os.PathLike[str]) -> None:
     """Delete a dump directory (published or temporary); a missing one is fine."""
     shutil.rmtree(path, ignore_errors=True)
-

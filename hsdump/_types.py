@@ -37,7 +37,9 @@ class Sample:
         if not ids:
             raise InputError("input_ids is empty: nothing to extract", sample_id=self.id)
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            bad = next(t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and t >= 0))
+            bad = next(
+                t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and t >= 0)
+            )
             raise InputError(
                 f"input_ids must be non-negative ints, found {bad!r}", sample_id=self.id
             )
@@ -85,5 +87,6 @@ class HiddenStates:
     def nbytes(self) -> int:
         """Bytes held by the two hidden-state tensors."""
         return sum(
-            t.element_size() * t.nelement() for t in (self.aux_hidden_states, self.final_hidden_state)
+            t.element_size() * t.nelement()
+            for t in (self.aux_hidden_states, self.final_hidden_state)
         )

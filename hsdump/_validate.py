@@ -79,7 +79,8 @@ def check_response(body: Any, *, rid: str, num_tokens: int, sample_id: str) -> N
         )
     if meta.get("prompt_tokens") != num_tokens:
         raise TokenMismatch(
-            f"the server processed {meta.get('prompt_tokens')} prompt tokens, expected {num_tokens} "
+            f"the server processed {meta.get('prompt_tokens')} prompt tokens, "
+            f"expected {num_tokens} "
             "(was the prompt truncated? do not run the server with --allow-auto-truncate)",
             sample_id=sample_id,
             rid=rid,
@@ -96,11 +97,13 @@ def check_response(body: Any, *, rid: str, num_tokens: int, sample_id: str) -> N
 def validate_meta(
     dump: Dump, *, rid: str, input_ids: Sequence[int], sample_id: str, expected: Expected
 ) -> None:
-    """Check that ``dump`` is request ``rid``'s capture of ``input_ids`` (values: :func:`copy_checked`)."""
+    """Check that ``dump`` is request ``rid``'s capture of ``input_ids`` (values: copy_checked)."""
     meta = dump.meta
     if meta.rid != rid:
         raise RidMismatch(
-            f"{dump.path} holds request {meta.rid!r}, expected {rid!r}", sample_id=sample_id, rid=rid
+            f"{dump.path} holds request {meta.rid!r}, expected {rid!r}",
+            sample_id=sample_id,
+            rid=rid,
         )
     _check_tokens(meta.input_ids, input_ids, sample_id, rid)
     expected.check(meta, sample_id)
@@ -124,7 +127,12 @@ def _check_tokens(got: Sequence[int], sent: Sequence[int], sample_id: str, rid: 
 
 
 def copy_checked(
-    array: np.ndarray, dtype: str, name: str, *, sample_id: str | None = None, rid: str | None = None
+    array: np.ndarray,
+    dtype: str,
+    name: str,
+    *,
+    sample_id: str | None = None,
+    rid: str | None = None,
 ) -> np.ndarray:
     """Copy ``array`` into fresh memory, checking each block while it is in cache.
 

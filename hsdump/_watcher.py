@@ -10,6 +10,7 @@ watchfiles was measured first: its Rust loop wakes every ``step`` ms (p50 wake-u
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from pathlib import Path
@@ -53,7 +54,8 @@ def _is_published(path: Path) -> bool:
 def _timeout_error(root: Path, rid: str, timeout: float) -> DumpTimeout:
     return DumpTimeout(
         f"no dump appeared in {request_dir(root, rid)} within {timeout:g} s. Check that the server "
-        "dumps into this directory and is not overloaded; raise dump_timeout for very long prompts.",
+        "dumps into this directory and is not overloaded; raise dump_timeout for very long "
+        "prompts.",
         rid=rid,
     )
 
@@ -67,7 +69,9 @@ class PollingWatcher:
         max_interval: Longest polling interval in seconds.
     """
 
-    def __init__(self, root: str | os.PathLike[str], *, interval: float = 0.001, max_interval: float = 0.02):
+    def __init__(
+        self, root: str | os.PathLike[str], *, interval: float = 0.001, max_interval: float = 0.02
+    ):
         self.root = Path(root)
         self.interval = interval
         self.max_interval = max_interval
@@ -186,10 +190,9 @@ class InotifyWatcher:
     def _drop_subdir_watches(self, rid: str) -> None:
         for wd in [wd for wd, owner in self._subdirs.items() if owner == rid]:
             del self._subdirs[wd]
-            try:
+            # A gone directory's watch was already dropped by the kernel.
+            with contextlib.suppress(OSError):
                 self._inotify.rm_watch(wd)  # type: ignore[attr-defined]
-            except OSError:
-                pass  # the directory is gone, and the kernel dropped the watch with it
 
     async def aclose(self) -> None:
         """See :meth:`DumpWatcher.aclose`."""

@@ -27,7 +27,15 @@ from hsdump._fake import FakeEngine, FakeServer, Fault, FaultKind, fake_states
 from hsdump._protocol import DumpWriter, ProducerInfo, request_dir, write_error
 from hsdump._watcher import DumpWatcher
 
-__all__ = ["DumpWatcherTests", "FakeEngine", "FakeServer", "Fault", "FaultKind", "fake_states", "publish"]
+__all__ = [
+    "DumpWatcherTests",
+    "FakeEngine",
+    "FakeServer",
+    "Fault",
+    "FaultKind",
+    "fake_states",
+    "publish",
+]
 
 _PRODUCER = ProducerInfo(name="hsdump-testing", version="1")
 
@@ -40,7 +48,8 @@ def publish(root: Path, rid: str) -> Path:
 
     meta = DumpMeta(
         rid=rid, input_ids=[1], num_tokens=1, layer_ids=[1], final_norm="post_norm",
-        hidden_size=1, dtype="bfloat16", aux_shape=(1, 1, 1), final_shape=(1, 1), producer=_PRODUCER,
+        hidden_size=1, dtype="bfloat16", aux_shape=(1, 1, 1), final_shape=(1, 1),
+        producer=_PRODUCER,
     )  # fmt: skip
     with DumpWriter(root, rid, num_tokens=1, num_layers=1, hidden_size=1, dtype="bfloat16") as w:
         one = np.ones(1, np.uint16)
@@ -82,7 +91,9 @@ class DumpWatcherTests:
         assert path == request_dir(watcher.root, rid)
 
     @pytest.mark.anyio
-    async def test_returns_at_once_when_dump_published_before_wait(self, watcher: DumpWatcher) -> None:
+    async def test_returns_at_once_when_dump_published_before_wait(
+        self, watcher: DumpWatcher
+    ) -> None:
         rid = self.rid()
         publish(watcher.root, rid)
         with anyio.fail_after(1):
@@ -97,7 +108,9 @@ class DumpWatcherTests:
         assert (path / "error").exists()
 
     @pytest.mark.anyio
-    async def test_waits_for_marker_when_directory_appears_first(self, watcher: DumpWatcher) -> None:
+    async def test_waits_for_marker_when_directory_appears_first(
+        self, watcher: DumpWatcher
+    ) -> None:
         rid = self.rid()
         path = request_dir(watcher.root, rid)
 
@@ -120,7 +133,9 @@ class DumpWatcherTests:
             await watcher.wait(mine, timeout=0.2)
 
     @pytest.mark.anyio
-    async def test_timeout_raises_dump_timeout_naming_the_request(self, watcher: DumpWatcher) -> None:
+    async def test_timeout_raises_dump_timeout_naming_the_request(
+        self, watcher: DumpWatcher
+    ) -> None:
         rid = self.rid()
         with pytest.raises(DumpTimeout, match=rid) as info:
             await watcher.wait(rid, timeout=0.1)

@@ -1,4 +1,4 @@
-"""HiddenStateClient against the fake server: every sample gets its own hidden states, or an error."""
+"""HiddenStateClient against the fake server: each sample gets its own states, or an error."""
 
 from __future__ import annotations
 
@@ -60,12 +60,16 @@ async def test_extract_returns_the_samples_own_states(client: HiddenStateClient)
         assert_belongs_to(await client.extract(s), s)
 
 
-async def test_extract_removes_the_dump_directory(client: HiddenStateClient, server: FakeServer) -> None:
+async def test_extract_removes_the_dump_directory(
+    client: HiddenStateClient, server: FakeServer
+) -> None:
     await client.extract(sample(0))
     assert request_dirs(server.dump_dir) == []
 
 
-async def test_each_request_has_a_fresh_rid_and_cache_key(client: HiddenStateClient, server: FakeServer) -> None:
+async def test_each_request_has_a_fresh_rid_and_cache_key(
+    client: HiddenStateClient, server: FakeServer
+) -> None:
     await client.extract(sample(0))
     await client.extract(sample(0))
     first, second = server.received
@@ -80,10 +84,11 @@ async def test_loss_mask_travels_with_the_sample(client: HiddenStateClient) -> N
 
 
 async def test_warmup_and_health_checks_create_no_dumps(server: FakeServer) -> None:
-    with httpx.Client(base_url=server.url) as http:
-        http.post("/generate", json={"input_ids": [10, 11, 12], "sampling_params": {"max_new_tokens": 8}})
-        http.post("/generate", json={"rid": "HEALTH_CHECK_1", "input_ids": [0]})
-        http.get("/health")
+    async with httpx.AsyncClient(base_url=server.url) as http:
+        warmup = {"input_ids": [10, 11, 12], "sampling_params": {"max_new_tokens": 8}}
+        await http.post("/generate", json=warmup)
+        await http.post("/generate", json={"rid": "HEALTH_CHECK_1", "input_ids": [0]})
+        await http.get("/health")
     assert request_dirs(server.dump_dir) == []
     async with HiddenStateClient(server.url, dump_dir=server.dump_dir) as client:
         s = sample(1)
@@ -198,7 +203,9 @@ async def test_unexpected_layers_are_refused(server: FakeServer) -> None:
             await client.extract(sample(6))
 
 
-async def test_layers_changing_mid_run_are_refused(client: HiddenStateClient, server: FakeServer) -> None:
+async def test_layers_changing_mid_run_are_refused(
+    client: HiddenStateClient, server: FakeServer
+) -> None:
     await client.extract(sample(7))
     server.inject(Fault("wrong_layers"))
     with pytest.raises(hsdump.LayerMismatch):
@@ -208,7 +215,7 @@ async def test_layers_changing_mid_run_are_refused(client: HiddenStateClient, se
 async def test_a_dump_that_never_completes_times_out_cleanly(server: FakeServer) -> None:
     server.inject(Fault("no_dump"))
     async with HiddenStateClient(server.url, dump_dir=server.dump_dir, dump_timeout=0.2) as client:
-        with pytest.raises(hsdump.DumpTimeout, match="within 0.2 s") as info:
+        with pytest.raises(hsdump.DumpTimeout, match=r"within 0\.2 s") as info:
             await client.extract(sample(9))
         assert info.value.transient
     assert request_dirs(server.dump_dir) == []
@@ -266,7 +273,9 @@ async def test_no_manifest_means_the_server_is_not_dumping(tmp_path: Path) -> No
         ({"chunked_prefill_size": 8192}, "--chunked-prefill-size -1"),
     ],
 )
-async def test_settings_that_truncate_captures_are_refused(tmp_path: Path, info: dict, flag: str) -> None:
+async def test_settings_that_truncate_captures_are_refused(
+    tmp_path: Path, info: dict, flag: str
+) -> None:
     with FakeServer(tmp_path, server_info=info) as srv:
         with pytest.raises(hsdump.ServerConfigError, match=flag):
             async with HiddenStateClient(srv.url, dump_dir=tmp_path):
@@ -327,12 +336,14 @@ async def test_dump_budget_bounds_bytes_in_flight(server: FakeServer) -> None:
     sampler = threading.Thread(target=sample_dump_root)
     sampler.start()
     try:
-        async with HiddenStateClient(
-            server.url, dump_dir=server.dump_dir, max_in_flight=8, dump_budget_bytes=budget
-        ) as client:
-            async with anyio.create_task_group() as tg:
-                for s in samples:
-                    tg.start_soon(client.extract, s)
+        async with (
+            HiddenStateClient(
+                server.url, dump_dir=server.dump_dir, max_in_flight=8, dump_budget_bytes=budget
+            ) as client,
+            anyio.create_task_group() as tg,
+        ):
+            for s in samples:
+                tg.start_soon(client.extract, s)
     finally:
         stop.set()
         sampler.join()

@@ -62,9 +62,7 @@ async def test_every_sample_is_committed_once_under_its_own_id(server):
     store = MemoryStore()
     summary = await _run(server, store, _samples(4))
     assert sorted(store.writes) == ["s0", "s1", "s2", "s3"] and summary.ok
-    assert all(
-        store.samples[f"s{i}"].input_ids.tolist() == [i + 1] * (i + 2) for i in range(4)
-    )
+    assert all(store.samples[f"s{i}"].input_ids.tolist() == [i + 1] * (i + 2) for i in range(4))
     assert (summary.samples_done, summary.tokens_done, summary.skipped) == (4, 2 + 3 + 4 + 5, 0)
     assert summary.ratio == pytest.approx(2.0)
 

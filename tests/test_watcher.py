@@ -26,7 +26,9 @@ def test_watchers_satisfy_the_protocol(tmp_path: Path) -> None:
     assert isinstance(PollingWatcher(tmp_path), DumpWatcher)
 
 
-def test_default_watcher_follows_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_watcher_follows_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("HSDUMP_WATCHER", "poll")
     assert isinstance(default_watcher(tmp_path), PollingWatcher)
     assert isinstance(default_watcher(tmp_path, "inotify"), InotifyWatcher)
