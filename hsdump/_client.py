@@ -216,7 +216,8 @@ class HiddenStateClient:
                     f"GET {self.base_url}{path} answered {response.status_code}",
                     status_code=response.status_code,
                 )
-            return _json(response, f"GET {path}")
+            info: dict[str, Any] = _json(response, f"GET {path}")
+            return info
         logger.warning("%s exposes no server_info: its settings cannot be checked", self.base_url)
         return {}
 

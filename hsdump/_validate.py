@@ -174,7 +174,7 @@ def _scan_block(block: np.ndarray, dtype: str) -> tuple[int | None, int | None]:
         nonzero = block.any(axis=-1)
     bad_rows = nonfinite.reshape(block.shape[0], -1).any(axis=1)
     zero_rows = ~nonzero.reshape(block.shape[0], -1).all(axis=1)
-    return _first(bad_rows), _first(zero_rows)
+    return _first(np.asarray(bad_rows)), _first(np.asarray(zero_rows))
 
 
 def _first(flags: np.ndarray) -> int | None:

@@ -14,7 +14,7 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import anyio
 
@@ -110,7 +110,7 @@ class InotifyWatcher:
         self.root = Path(root)
         self._waiters: dict[str, set[anyio.Event]] = {}
         self._subdirs: dict[int, str] = {}
-        self._inotify: object | None = None
+        self._inotify: Any = None  # inotify_simple.INotify once started
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
 
@@ -128,7 +128,7 @@ class InotifyWatcher:
     def _on_events(self) -> None:
         from inotify_simple import flags
 
-        for event in self._inotify.read(timeout=0):  # type: ignore[attr-defined]
+        for event in self._inotify.read(timeout=0):
             if event.mask & (flags.Q_OVERFLOW | flags.DELETE_SELF | flags.IGNORED):
                 self._wake_all()  # events were lost: let every waiter look again
             elif event.wd in self._subdirs:
@@ -145,7 +145,7 @@ class InotifyWatcher:
             return
         from inotify_simple import flags
 
-        wd = self._inotify.add_watch(path, flags.CREATE | flags.MOVED_TO)  # type: ignore[attr-defined]
+        wd = self._inotify.add_watch(path, flags.CREATE | flags.MOVED_TO)
         self._subdirs[wd] = rid
         if _is_published(path):  # the marker may have landed before the watch
             self._wake(rid)
@@ -192,15 +192,15 @@ class InotifyWatcher:
             del self._subdirs[wd]
             # A gone directory's watch was already dropped by the kernel.
             with contextlib.suppress(OSError):
-                self._inotify.rm_watch(wd)  # type: ignore[attr-defined]
+                self._inotify.rm_watch(wd)
 
     async def aclose(self) -> None:
         """See :meth:`DumpWatcher.aclose`."""
         self._closed = True
         if self._inotify is not None:
             assert self._loop is not None
-            self._loop.remove_reader(self._inotify.fileno())  # type: ignore[attr-defined]
-            self._inotify.close()  # type: ignore[attr-defined]
+            self._loop.remove_reader(self._inotify.fileno())
+            self._inotify.close()
             self._inotify = None
         self._wake_all()
 
