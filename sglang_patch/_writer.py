@@ -221,7 +221,7 @@ class WriterThread:
     def _wait_for_room(self, need: int) -> bool:
         deadline = time.monotonic() + self.config.space_timeout_s
         while True:
-            pending = self._pending_bytes()
+            pending = self._pending_bytes(need)
             fits = pending == 0 or pending + need <= self.config.max_pending_bytes
             if fits and _free_bytes(self.config.dump_dir) - need >= self.config.min_free_bytes:
                 return True
@@ -229,9 +229,9 @@ class WriterThread:
                 return False
             time.sleep(0.05)
 
-    def _pending_bytes(self) -> int:
+    def _pending_bytes(self, need: int) -> int:
         writing = sum(a.writer.num_tokens * self.fmt.row_bytes for a in self._open.values())
-        if writing + self._published_bytes > self.config.max_pending_bytes:
+        if writing + self._published_bytes + need > self.config.max_pending_bytes:
             # Published dumps count until the client removes them: forget those consumed.
             kept = deque((p, size) for p, size in self._published if p.exists())
             self._published, self._published_bytes = kept, sum(size for _, size in kept)

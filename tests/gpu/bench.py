@@ -30,24 +30,37 @@ def dataset(length: int, count: int, seed: int) -> list[dict]:
     ]
 
 
-async def plain(url: str, samples: list[dict], concurrency: int) -> float:
-    """Seconds for a plain client to prefill ``samples`` (max_new_tokens 0, no opt-in rid)."""
+async def plain(url: str, samples: list[dict], concurrency: int, dump_dir: str = "") -> float:
+    """Seconds to prefill ``samples`` (max_new_tokens 0). With ``dump_dir``, the rids opt in and
+    each request also waits for its dump's ``done`` marker and then deletes the dump (the server
+    side of the dump path alone, without the hsdump client's validation and store)."""
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=300) as client:
 
         async def one(s: dict) -> None:
             async with sem:
+                rid = f"{'hsdump' if dump_dir else 'plain'}-{uuid.uuid4().hex}"
                 body = {
-                    "rid": f"plain-{uuid.uuid4().hex}",
+                    "rid": rid,
                     "input_ids": s["input_ids"],
                     "sampling_params": {"max_new_tokens": 0, "temperature": 0},
                     "extra_key": uuid.uuid4().hex,
                 }
                 (await client.post(f"{url}/generate", json=body)).raise_for_status()
+                if dump_dir:
+                    await consume(Path(dump_dir) / f"req_{rid}")
 
         t0 = time.perf_counter()
         await asyncio.gather(*(one(s) for s in samples))
         return time.perf_counter() - t0
+
+
+async def consume(path: Path) -> None:
+    while not (path / "done").exists():
+        if (path / "error").exists():
+            raise RuntimeError((path / "error").read_text())
+        await asyncio.sleep(0.002)
+    shutil.rmtree(path)
 
 
 def extract(
@@ -77,7 +90,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--url", default="http://127.0.0.1:30000")
     p.add_argument("--dump-dir", default="")
-    p.add_argument("--mode", choices=["both", "plain"], default="both")
+    p.add_argument("--mode", choices=["extract", "dump", "plain"], default="extract")
     p.add_argument("--server", required=True, help="label of the server configuration")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -88,7 +101,10 @@ def main() -> None:
         tokens = length * count
         for conc in (1, 8):
             rows = [("plain", asyncio.run(plain(args.url, samples, conc)))]
-            if args.mode == "both":
+            if args.mode == "dump":
+                seconds = asyncio.run(plain(args.url, samples, conc, args.dump_dir))
+                rows.append(("dump-only", seconds))
+            if args.mode == "extract":
                 rows.append(
                     (
                         "extract",

@@ -9,6 +9,7 @@
 #                chunked prefill 256, the model's default EAGLE-3 layers, started through
 #                `python -m sglang.launch_server` (plugin found by its entry point)
 #   bench        ~1B random Llama with the plugin: hsdump extract vs a plain client, concurrency 1, 8
+#   bench_dump   the same server with the plugin: dump-only client (waits for done, deletes) vs plain
 #   bench_plain  the same server without the plugin (server alone), plain client only
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -41,6 +42,7 @@ start_server() {  # name, launcher module, extra args...
   done
   echo "server $name up after $((SECONDS - t0)) s"
   grep -h "hsdump" "$OUT/server_$name.log" | head -5
+  return 0
 }
 
 stop_server() {
@@ -100,6 +102,11 @@ for stage in $STAGES; do
            export HSDUMP_DUMP_DIR=/dev/shm/hsdump-bench
            start_server bench sglang.launch_server "${BENCH_ARGS[@]}" --enable-return-hidden-states || { status=1; continue; }
            python3 tests/gpu/bench.py --server plugin --url $URL --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" || status=1
+           stop_server; unset HSDUMP_DUMP_DIR ;;
+    bench_dump) make_1b
+           export HSDUMP_DUMP_DIR=/dev/shm/hsdump-bench
+           start_server bench_dump sglang.launch_server "${BENCH_ARGS[@]}" --enable-return-hidden-states || { status=1; continue; }
+           python3 tests/gpu/bench.py --server plugin --mode dump --url $URL --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" || status=1
            stop_server; unset HSDUMP_DUMP_DIR ;;
     bench_plain) make_1b
            start_server bench_plain sglang.launch_server "${BENCH_ARGS[@]}" || { status=1; continue; }

@@ -1,0 +1,325 @@
+"""sglang_patch without SGLang: batch planning, pinned staging, the writer thread, real dump files.
+
+Batches are stand-ins with exactly the attributes the plugin reads from SGLang's ``ScheduleBatch``
+and ``Req`` (checked against the real sources in test_sglang_patch_source.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from hsdump._exceptions import DumpFailed
+from hsdump._protocol import ProducerInfo, read_dump, request_dir
+from sglang_patch._config import PluginConfig, load_config
+from sglang_patch._dumper import Dumper
+from sglang_patch._plan import ChunkPlanner
+from sglang_patch._staging import PinnedRing
+from sglang_patch._writer import DumpFormat
+from sglang_patch.hooks import remove_stale_tmp_dirs
+
+K, H = 3, 8
+FMT = DumpFormat(
+    layer_ids=(1, 2, 3),
+    hidden_size=H,
+    dtype="float32",
+    producer=ProducerInfo(name="t", version="0"),
+)
+
+
+class Req:
+    """Stand-in for SGLang's Req: the fields the planner reads."""
+
+    def __init__(self, rid: str, length: int, output: int = 0):
+        self.rid = rid
+        self.origin_input_ids = list(range(100, 100 + length))
+        self.output_ids = [0] * output
+
+
+def batch(reqs: list[Req], extend: list[int], prefix: list[int], decoding=None) -> SimpleNamespace:
+    return SimpleNamespace(
+        reqs=reqs, extend_lens=extend, prefix_lens=prefix, decoding_reqs=decoding
+    )
+
+
+def rows(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, (K + 1) * H, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def dumper(tmp_path: Path):
+    made = []
+
+    def make(**overrides) -> Dumper:
+        config = PluginConfig(dump_dir=tmp_path, **{"pinned_bytes": 1 << 16, **overrides})
+        made.append(Dumper(config, FMT, pin=False))
+        return made[-1]
+
+    yield make
+    for d in made:
+        d.close()
+
+
+def forward(d: Dumper, b: SimpleNamespace, hidden: torch.Tensor) -> None:
+    d.on_forward(b, SimpleNamespace(hidden_states=hidden))
+    d.writer.drain()
+
+
+def assert_dump(root: Path, req: Req, expected: torch.Tensor) -> None:
+    dump = read_dump(request_dir(root, req.rid))
+    assert dump.meta.input_ids == req.origin_input_ids
+    assert dump.meta.layer_ids == list(FMT.layer_ids) and dump.meta.final_norm == "post_norm"
+    np.testing.assert_array_equal(dump.aux.reshape(len(expected), -1), expected[:, : K * H].numpy())
+    np.testing.assert_array_equal(dump.final, expected[:, K * H :].numpy())
+
+
+# --- planning -------------------------------------------------------------------------------
+
+
+def test_plan_maps_rows_to_opted_in_requests_and_skips_others() -> None:
+    a, foreign, b, decoding = (
+        Req("hsdump-a", 4),
+        Req("x", 3),
+        Req("hsdump-b", 2),
+        Req("hsdump-d", 9, 1),
+    )
+    plan = ChunkPlanner("hsdump-").plan(
+        batch([a, foreign, b, decoding], [4, 3, 2, 1], [0, 0, 0, 9])
+    )
+    assert [(s.rid, s.row, s.n, s.start, s.last) for s in plan.slices] == [
+        ("hsdump-a", 0, 4, 0, True),
+        ("hsdump-b", 7, 2, 0, True),
+    ]
+    assert plan.rows == 10 and not plan.errors
+
+
+def test_plan_skips_requests_listed_as_decoding_in_a_mixed_batch() -> None:
+    a, d = Req("hsdump-a", 2), Req("hsdump-d", 5)
+    plan = ChunkPlanner("hsdump-").plan(batch([a, d], [2, 1], [0, 0], decoding=[d]))
+    assert [s.rid for s in plan.slices] == ["hsdump-a"]
+
+
+def test_first_chunk_with_cached_prefix_is_an_error_naming_the_fix() -> None:
+    plan = ChunkPlanner("hsdump-").plan(batch([Req("hsdump-a", 10)], [3], [7]))
+    ((rid, reason),) = plan.errors
+    assert rid == "hsdump-a" and not plan.slices
+    assert "7 of its 10" in reason and "extra_key" in reason and "--disable-radix-cache" in reason
+
+
+def test_chunks_stay_open_until_the_prompt_is_covered() -> None:
+    planner, req = ChunkPlanner("hsdump-"), Req("hsdump-a", 10)
+    first = planner.plan(batch([req], [4], [0])).slices[0]
+    assert not first.last and first.input_ids == tuple(req.origin_input_ids)
+    assert planner.open_rids == ["hsdump-a"]
+    last = planner.plan(batch([req], [6], [4])).slices[0]
+    assert last.last and last.input_ids is None and planner.open_rids == []
+
+
+def test_a_chunk_that_skips_tokens_is_an_error() -> None:
+    planner, req = ChunkPlanner("hsdump-"), Req("hsdump-a", 10)
+    planner.plan(batch([req], [4], [0]))
+    plan = planner.plan(batch([req], [3], [5]))
+    assert plan.errors and "next expected chunk starts at token 4" in plan.errors[0][1]
+    assert planner.open_rids == []
+
+
+def test_requests_that_stop_mid_prefill_expire() -> None:
+    now = [0.0]
+    planner = ChunkPlanner("hsdump-", clock=lambda: now[0])
+    planner.plan(batch([Req("hsdump-a", 10)], [4], [0]))
+    assert planner.expire(60) == []
+    now[0] = 61
+    assert planner.expire(60) == ["hsdump-a"] and planner.open_rids == []
+
+
+# --- the pinned ring ------------------------------------------------------------------------
+
+
+def test_ring_reuses_freed_space_in_order_and_wraps() -> None:
+    ring = PinnedRing(256, pin=False)
+    a, _ = ring.try_alloc(128)
+    b, _ = ring.try_alloc(64)
+    assert ring.try_alloc(128) is None  # 64 left at the end, 0 before the oldest block
+    ring.free(a)
+    c, view = ring.try_alloc(128)
+    assert c.start == 0 and view.numel() == 128
+    ring.free(b)
+    ring.free(c)
+    assert ring.used == 0
+
+
+def test_ring_frees_out_of_order_only_when_older_blocks_are_free() -> None:
+    ring = PinnedRing(256, pin=False)
+    a, _ = ring.try_alloc(128)
+    b, _ = ring.try_alloc(128)
+    ring.free(b)
+    assert ring.used == 256
+    ring.free(a)
+    assert ring.used == 0
+
+
+def test_ring_alloc_blocks_until_a_consumer_frees() -> None:
+    ring = PinnedRing(128, pin=False)
+    a, _ = ring.try_alloc(128)
+    threading.Timer(0.05, ring.free, (a,)).start()
+    block, _ = ring.alloc(128, poll_s=0.01)
+    assert block.start == 0
+
+
+def test_ring_wait_raises_when_the_consumer_is_gone() -> None:
+    ring = PinnedRing(128, pin=False, alive=lambda: False)
+    ring.try_alloc(128)
+    with pytest.raises(RuntimeError, match="writer thread has stopped"):
+        ring.alloc(64, poll_s=0.01)
+
+
+def test_ring_refuses_a_block_larger_than_itself() -> None:
+    with pytest.raises(ValueError, match="do not fit"):
+        PinnedRing(64, pin=False).try_alloc(65)
+
+
+# --- dumper and writer on real files --------------------------------------------------------
+
+
+def test_requests_batched_together_get_their_own_rows(dumper, tmp_path: Path) -> None:
+    d, a, foreign, b = dumper(), Req("hsdump-a", 5), Req("other", 3), Req("hsdump-b", 4)
+    hidden = rows(5 + 3 + 4 + 2)  # two padding rows at the end
+    forward(d, batch([a, foreign, b], [5, 3, 4], [0, 0, 0]), hidden)
+    assert_dump(tmp_path, a, hidden[:5])
+    assert_dump(tmp_path, b, hidden[8:12])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["req_hsdump-a", "req_hsdump-b"]
+
+
+def test_a_chunked_prompt_is_published_once_its_last_chunk_is_written(dumper, tmp_path) -> None:
+    d, req, full = dumper(), Req("hsdump-a", 10), rows(10)
+    forward(d, batch([req], [6], [0]), full[:6])
+    assert not request_dir(tmp_path, "hsdump-a").exists()
+    forward(d, batch([req], [4], [6]), full[6:])
+    assert_dump(tmp_path, req, full)
+
+
+def test_a_pinned_buffer_smaller_than_a_request_stages_it_in_pieces(dumper, tmp_path) -> None:
+    d, req, full = dumper(pinned_bytes=4096), Req("hsdump-a", 300), rows(300)  # 128 B a row
+    forward(d, batch([req], [300], [0]), full)
+    assert_dump(tmp_path, req, full)
+    assert read_dump(request_dir(tmp_path, req.rid)).meta.extra["pieces"] > 1
+
+
+def test_hidden_states_of_the_wrong_width_publish_an_error(dumper, tmp_path: Path) -> None:
+    d, req = dumper(), Req("hsdump-a", 4)
+    forward(d, batch([req], [4], [0]), torch.zeros(4, K * H))
+    with pytest.raises(DumpFailed, match="shape"):
+        read_dump(request_dir(tmp_path, req.rid))
+
+
+def test_missing_hidden_states_name_the_server_flag(dumper, tmp_path: Path) -> None:
+    d, req = dumper(), Req("hsdump-a", 4)
+    d.on_forward(batch([req], [4], [0]), SimpleNamespace(hidden_states=None))
+    d.writer.drain()
+    with pytest.raises(DumpFailed, match="--enable-return-hidden-states"):
+        read_dump(request_dir(tmp_path, req.rid))
+
+
+def test_a_prefix_cache_hit_publishes_an_error_never_a_short_dump(dumper, tmp_path) -> None:
+    d, req = dumper(), Req("hsdump-a", 10)
+    forward(d, batch([req], [3], [7]), rows(3))
+    with pytest.raises(DumpFailed, match="prefix cache"):
+        read_dump(request_dir(tmp_path, req.rid))
+
+
+def test_an_aborted_request_leaves_no_directory_behind(dumper, tmp_path: Path) -> None:
+    d, req = dumper(partial_ttl_s=0.01), Req("hsdump-a", 10)
+    forward(d, batch([req], [4], [0]), rows(4))
+    assert next(p.name for p in tmp_path.iterdir()).startswith(".tmp-req_hsdump-a")
+    time.sleep(0.02)
+    d._next_expiry = 0  # the next forward checks for stalled requests
+    forward(d, batch([Req("y", 1)], [1], [0]), rows(1))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_writer_waits_for_consumed_dumps_then_reports_a_full_root(dumper, tmp_path) -> None:
+    one_request = 10 * FMT.row_bytes
+    d = dumper(max_pending_bytes=one_request, space_timeout_s=0.3, min_free_bytes=1)
+    first, second, third = Req("hsdump-1", 10), Req("hsdump-2", 10), Req("hsdump-3", 10)
+    forward(d, batch([first], [10], [0]), rows(10))
+    forward(d, batch([second], [10], [0]), rows(10))  # nobody consumed the first: times out
+    with pytest.raises(DumpFailed, match="no room"):
+        read_dump(request_dir(tmp_path, second.rid))
+    for req in (first, second):
+        shutil.rmtree(request_dir(tmp_path, req.rid))  # what the client does after reading
+    forward(d, batch([third], [10], [0]), rows(10, seed=3))
+    assert_dump(tmp_path, third, rows(10, seed=3))
+
+
+def test_a_pinned_buffer_too_small_for_one_token_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="HSDUMP_PINNED_MB"):
+        Dumper(PluginConfig(dump_dir=tmp_path, pinned_bytes=64), FMT, pin=False)
+
+
+def test_stale_temporary_dirs_of_dead_processes_are_removed(tmp_path: Path) -> None:
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
+    )
+    stale = tmp_path / f".tmp-req_hsdump-x-{int(dead.stdout)}-abcd1234"
+    mine = tmp_path / f".tmp-req_hsdump-y-{os.getpid()}-abcd1234"
+    for path in (stale, mine):
+        path.mkdir()
+        os.utime(path, (0, 0))
+    assert remove_stale_tmp_dirs(tmp_path) == 1
+    assert not stale.exists() and mine.exists()
+
+
+# --- settings and imports -------------------------------------------------------------------
+
+
+def test_settings_come_from_the_environment(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HSDUMP_DUMP_DIR", str(tmp_path))
+    monkeypatch.setenv("HSDUMP_LAYER_IDS", "2, 30,58")
+    monkeypatch.setenv("HSDUMP_PINNED_MB", "64")
+    config = load_config()
+    assert config.layer_ids == (2, 30, 58) and config.pinned_bytes == 64 << 20
+    assert config.dump_dir == tmp_path
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("HSDUMP_LAYER_IDS", "2,x", "comma-separated"),
+        ("HSDUMP_LAYER_IDS", "0,3", ">= 1"),
+        ("HSDUMP_LAYER_IDS", "5,3", "increasing"),
+        ("HSDUMP_PINNED_MB", "lots", "not an integer"),
+        ("HSDUMP_MAX_PENDING_MB", "-1", "positive"),
+    ],
+)
+def test_malformed_settings_name_the_variable(monkeypatch, tmp_path, name, value, message) -> None:
+    monkeypatch.setenv("HSDUMP_DUMP_DIR", str(tmp_path))
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message) as info:
+        load_config()
+    assert name in str(info.value)
+
+
+def test_plugin_modules_import_without_the_clients_dependencies() -> None:
+    code = (
+        "import sys, sglang_patch.plugin, sglang_patch.hooks, sglang_patch._dumper;"
+        "print(sorted(m for m in ('httpx', 'watchfiles', 'zarr') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_plugin_is_inert_without_a_dump_root(monkeypatch) -> None:
+    monkeypatch.delenv("HSDUMP_DUMP_DIR", raising=False)
+    code = "import sglang_patch.plugin as p; p.register(); print(p._registered)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"  # and it never imported sglang, which is absent here
