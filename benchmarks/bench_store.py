@@ -91,7 +91,9 @@ def drop_caches() -> bool:
 # -- writers --------------------------------------------------------------------------------------
 
 
-async def write_store(path: Path, data: list[HiddenStates]) -> tuple[float, list[float]]:
+async def write_store(
+    path: Path, data: list[HiddenStates], compression: str = "zstd"
+) -> tuple[float, list[float]]:
     lags: list[float] = []
     stop = asyncio.Event()
 
@@ -103,7 +105,7 @@ async def write_store(path: Path, data: list[HiddenStates]) -> tuple[float, list
 
     beat = asyncio.create_task(heartbeat())
     t0 = time.perf_counter()
-    async with open_store(path, "w") as store:
+    async with open_store(path, "w", compression=compression) as store:  # type: ignore[arg-type]
         for hs in data:
             await store.write(hs)
     elapsed = time.perf_counter() - t0
@@ -166,8 +168,10 @@ def load_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def readers(root: Path) -> dict[str, Callable[[str], object]]:
     store = open_store(root / "store", "r")
+    plain = open_store(root / "plain", "r")
     return {
         "hsdump store": lambda sid: store[sid],
+        "hsdump store, uncompressed": lambda sid: plain[sid],
         "safetensors/sample": lambda sid: load_safetensors(root / "st" / f"{sid}.safetensors"),
         "torch.save/sample": lambda sid: torch.load(root / "pt" / f"{sid}.ckpt"),
     }
@@ -293,6 +297,9 @@ def bench_writes(root: Path, data: list[HiddenStates], raw: int) -> None:
     drop_caches()
     t, lags = asyncio.run(write_store(root / "store", data))
     timed["hsdump store"] = (t, t + timed_sync())
+    drop_caches()
+    t, _ = asyncio.run(write_store(root / "plain", data, "none"))
+    timed["hsdump store, uncompressed"] = (t, t + timed_sync())
     for name, fn, sub in (
         ("safetensors/sample", write_safetensors, "st"),
         ("torch.save/sample", write_torch, "pt"),
@@ -303,7 +310,7 @@ def bench_writes(root: Path, data: list[HiddenStates], raw: int) -> None:
     for name, (t, td) in timed.items():
         label = f"write MB/s, {name} (page cache / durable incl. os.sync)"
         record(label, f"{raw / t / 1e6:.0f} / {raw / td / 1e6:.0f}", "", None)
-    best = max(raw / td for name, (_, td) in timed.items() if name != "hsdump store") / 1e6
+    best = max(raw / td for name, (_, td) in timed.items() if "hsdump" not in name) / 1e6
     ours = raw / timed["hsdump store"][1] / 1e6
     record(
         "write MB/s durable: store vs faster baseline",

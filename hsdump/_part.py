@@ -243,6 +243,10 @@ class PartWriter:
         finally:
             self._flusher.shutdown(wait=True)
 
+    def abandon(self) -> None:
+        """Stop the background writer without writing anything more (after a failure)."""
+        self._flusher.shutdown(wait=True, cancel_futures=True)
+
     def _flush_buffer(self, *, full: bool) -> None:
         # One full shard is written in the background while the next one fills (double
         # buffering); a partial shard (flush/close) is written before returning.

@@ -11,6 +11,7 @@ Readers merge the part indexes in RAM (a few ms for 37,000 samples); nothing lis
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -33,6 +34,8 @@ from hsdump._backend import (
 from hsdump._codecs import Compression, chunk_tokens_for, codec_description
 from hsdump._exceptions import (
     ConfigError,
+    InputError,
+    ProvenanceMismatch,
     SampleExistsError,
     SampleNotFoundError,
     StoreError,
@@ -156,6 +159,7 @@ class HiddenStateStore:
         self._lock = threading.RLock()
         self._lock_fd: int | None = None
         self._closed = False
+        self._failed: BaseException | None = None
         self._writer: PartWriter | None = None
         self._readers: dict[str, PartReader] = {}
         self._where: dict[str, tuple[str, int]] = {}
@@ -262,11 +266,23 @@ class HiddenStateStore:
                     "samples that are done, or use a new sample id",
                     sample_id=hs.sample_id,
                 )
-            try:
+            with self._writing():
                 self._write_locked(writer, hs)
-            except OSError as exc:
-                raise os_error(exc, self.where) from exc
             return True
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """Translate I/O errors; after any failure that may have touched the part, refuse writes."""
+        try:
+            yield
+        except (InputError, ProvenanceMismatch):
+            raise  # refused before anything was written
+        except OSError as exc:
+            self._failed = exc
+            raise os_error(exc, self.where) from exc
+        except BaseException as exc:
+            self._failed = exc
+            raise
 
     def _write_locked(self, writer: PartWriter, hs: HiddenStates) -> None:
         from hsdump._codecs import tensor_to_bits
@@ -276,6 +292,10 @@ class HiddenStateStore:
             hs, dtype, codec_description(self._compression, 2 if dtype != "float32" else 4)
         )
         self._check_provenance(writer, prov, hs.sample_id)
+        ids = ids_int32(hs)
+        mask = None
+        if hs.loss_mask is not None:
+            mask = hs.loss_mask.detach().cpu().numpy().astype(np.uint8, copy=False)
         layers, hidden = len(hs.layer_ids) + 1, int(hs.final_hidden_state.shape[-1])
         if writer.state.layout is None:
             row_bytes = layers * hidden * hs.final_hidden_state.element_size()
@@ -298,10 +318,6 @@ class HiddenStateStore:
         stats = array_stats(aux, dtype, list(hs.layer_ids)) + array_stats(
             final[:, None], dtype, ["final"]
         )
-        ids = ids_int32(hs)
-        mask = None
-        if hs.loss_mask is not None:
-            mask = hs.loss_mask.detach().cpu().numpy().astype(np.uint8, copy=False)
         writer.add(hs.sample_id, aux, final, ids, mask, stats)
 
     def _check_provenance(self, writer: PartWriter, prov: Provenance, sample_id: str) -> None:
@@ -319,6 +335,12 @@ class HiddenStateStore:
     def _require_writer(self) -> PartWriter:
         if self._closed:
             raise StoreError(f"the store at {self.where} is closed: open it again to write")
+        if self._failed is not None:
+            raise StoreError(
+                f"an earlier write to {self.where} failed ({self._failed!r}); samples buffered "
+                "since the last commit were not written: close the store and open it again to "
+                "resume after the last commit"
+            )
         if self._writer is None:
             raise StoreError(
                 f"the store at {self.where} is open read-only: open it with mode='a' to write"
@@ -335,10 +357,9 @@ class HiddenStateStore:
         """Blocking :meth:`flush`."""
         with self._lock:
             if self._writer is not None and not self._closed:
-                try:
-                    self._writer.flush()
-                except OSError as exc:
-                    raise os_error(exc, self.where) from exc
+                writer = self._require_writer()
+                with self._writing():
+                    writer.flush()
 
     def close(self) -> None:
         """Commit buffered samples and release this writer's part. Idempotent."""
@@ -346,11 +367,11 @@ class HiddenStateStore:
             if self._closed:
                 return
             try:
-                if self._writer is not None:
-                    try:
+                if self._writer is not None and self._failed is None:
+                    with self._writing():
                         self._writer.close()
-                    except OSError as exc:
-                        raise os_error(exc, self.where) from exc
+                elif self._writer is not None:
+                    self._writer.abandon()
             finally:
                 self._closed = True
                 if self._lock_fd is not None:

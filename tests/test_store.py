@@ -332,3 +332,37 @@ async def test_async_write_runs_off_the_event_loop(tmp_path: Path) -> None:
     assert seen == [True]
     with open_store(tmp_path / "s.zarr", "r") as reader:
         assert "s1" in reader
+
+
+def test_refresh_shows_samples_another_writer_committed(tmp_path: Path) -> None:
+    path = tmp_path / "s.zarr"
+    with open_store(path, "a", writer_id="a") as store:
+        store.write_sync(make_sample(1))
+    reader = open_store(path, "r")
+    with open_store(path, "a", writer_id="b") as store:
+        store.write_sync(make_sample(2))
+    assert "s2" not in reader
+    reader.refresh()
+    assert sorted(reader) == ["s1", "s2"] and reader.lengths()["s2"] == make_sample(2).num_tokens
+
+
+def test_full_disk_is_reported_as_a_store_error_saying_what_to_do(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    from hsdump import _shardio
+
+    def no_space(*args: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(_shardio.ShardIO, "write", no_space)
+    store = open_store(tmp_path / "s.zarr", "a")
+    with pytest.raises(StoreError, match="free space and rerun") as info:
+        store.write_sync(make_sample(1))
+        store.flush_sync()
+    assert isinstance(info.value.__cause__, OSError)
+    with pytest.raises(StoreError, match="open it again to resume"):
+        store.write_sync(make_sample(2))
+    store.close()
+    assert len(open_store(tmp_path / "s.zarr", "r")) == 0
