@@ -119,7 +119,7 @@ class ShardIO:
             raw_index = sync(store.get(key, proto, SuffixByteRequest(self._per_shard * 16 + 4)))
             if raw_index is None:
                 raise FileNotFoundError(f"shard {key} is missing")
-            index = np.frombuffer(raw_index.to_bytes()[:-4], dtype="<u8").reshape(-1, 2)
+            index = raw_index.as_numpy_array()[:-4].view("<u8").reshape(-1, 2)
             if (shard + 1) * self._per_shard * self._ct <= self.stable_below and len(
                 self._index_cache
             ) < 8192:
@@ -132,7 +132,7 @@ class ShardIO:
         blob = sync(store.get(key, proto, RangeByteRequest(begin, end)))
         if blob is None:
             raise FileNotFoundError(f"shard {key} lacks chunks {first}..{last}")
-        view = memoryview(blob.to_bytes())
+        view = blob.as_numpy_array()  # the bytes read, without another copy
         jobs = []
         for c in range(first, last + 1):
             off, size = int(index[c, 0]) - begin, int(index[c, 1])
@@ -140,7 +140,7 @@ class ShardIO:
         return jobs
 
     def _decode_job(
-        self, data: memoryview, c0: int, lo: int, hi: int, out: np.ndarray, shift: int
+        self, data: np.ndarray, c0: int, lo: int, hi: int, out: np.ndarray, shift: int
     ) -> Any:
         a, b = max(lo, c0), min(hi, c0 + self._ct)
 
@@ -204,7 +204,7 @@ class FlatChunks:
             raw = sync(self._array.store.get(key, default_buffer_prototype()))
             if raw is None:
                 continue
-            data = raw.to_bytes()
+            data = raw.as_numpy_array()
             chunk = np.frombuffer(self._zstd.decode(data) if self._zstd else data, self._dtype)
             base = c * self._chunk
             a, b = max(start, base), min(stop, base + self._chunk)
