@@ -10,6 +10,7 @@
 #                `python -m sglang.launch_server` (plugin found by its entry point)
 #   bench        ~1B random Llama with the plugin: hsdump extract vs a plain client, concurrency 1, 8
 #   bench_dump   the same server with the plugin: dump-only client (waits for done, deletes) vs plain
+#   graphs_1b    the ~1B model with CUDA graphs and the radix cache on: probe_dump.py, then bench --mode dump
 #   bench_plain  the same server without the plugin (server alone), plain client only
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -107,6 +108,17 @@ for stage in $STAGES; do
            export HSDUMP_DUMP_DIR=/dev/shm/hsdump-bench
            start_server bench_dump sglang.launch_server "${BENCH_ARGS[@]}" --enable-return-hidden-states || { status=1; continue; }
            python3 tests/gpu/bench.py --server plugin --mode dump --url $URL --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" || status=1
+           stop_server; unset HSDUMP_DUMP_DIR ;;
+    graphs_1b) make_1b  # one server: ~1B model, CUDA graphs on, radix cache on; correctness + speed
+           export HSDUMP_DUMP_DIR=/dev/shm/hsdump-1b
+           start_server graphs_1b sglang.launch_server --model-path /tmp/m1b --mem-fraction-static 0.5 \
+             --enable-return-hidden-states --cuda-graph-max-bs 16 || { status=1; continue; }
+           python3 tests/gpu/probe_dump.py --name graphs_1b --url $URL --dump-dir $HSDUMP_DUMP_DIR \
+             --model /tmp/m1b --out "$OUT" --radix > "$OUT/probe_graphs_1b.log" 2>&1 || status=1
+           tail -45 "$OUT/probe_graphs_1b.log"
+           echo "prefill batches replayed as CUDA graphs: $(grep -c 'Prefill batch.*cuda graph: True' "$OUT/server_graphs_1b.log")" \
+             "eager: $(grep -c 'Prefill batch.*cuda graph: False' "$OUT/server_graphs_1b.log")"
+           python3 tests/gpu/bench.py --server plugin-graphs --mode dump --url $URL --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" || status=1
            stop_server; unset HSDUMP_DUMP_DIR ;;
     bench_plain) make_1b
            start_server bench_plain sglang.launch_server "${BENCH_ARGS[@]}" || { status=1; continue; }
