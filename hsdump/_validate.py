@@ -166,9 +166,10 @@ def copy_checked(
 def _scan_block(block: np.ndarray, dtype: str) -> tuple[int | None, int | None]:
     """First row with a non-finite value, and first row with an all-zero vector, in ``block``."""
     if dtype in _EXP_MASK:
-        mask = _EXP_MASK[dtype]
-        nonfinite = ((block & mask) == mask).any(axis=-1)
-        nonzero = (block & 0x7FFF).any(axis=-1)  # -0.0 counts as zero
+        # Without the sign bit, a 16-bit float's bits order like its magnitude, and its exponent
+        # is all ones (Inf/NaN) exactly when they reach the mask: one max per vector finds both.
+        peak = np.bitwise_and(block, 0x7FFF).max(axis=-1)
+        nonfinite, nonzero = peak >= _EXP_MASK[dtype], peak > 0  # -0.0 counts as zero
     else:
         nonfinite = ~np.isfinite(block).all(axis=-1)
         nonzero = block.any(axis=-1)

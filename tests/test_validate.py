@@ -1,0 +1,69 @@
+"""Value checks agree with torch's own view of the same bits, for every dtype the protocol allows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hsdump import DegenerateValues, NonFiniteValues
+from hsdump._validate import copy_checked
+
+TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def as_torch(bits: np.ndarray, dtype: str) -> torch.Tensor:
+    return torch.from_numpy(bits.copy()).view(TORCH_DTYPE[dtype])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    dtype=st.sampled_from(["bfloat16", "float16"]),
+    rows=st.integers(1, 40),
+    seed=st.integers(0, 2**32 - 1),
+    specials=st.lists(
+        st.sampled_from([0x7F80, 0xFF80, 0x7FC0, 0x7C00, 0xFC00, 0x7E00, 0x8000]), max_size=3
+    ),
+)
+def test_checks_match_torch_on_random_bits(
+    dtype: str, rows: int, seed: int, specials: list[int]
+) -> None:
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 65536, (rows, 3, 16), dtype=np.uint16)
+    for value in specials:
+        bits[tuple(rng.integers(0, n) for n in bits.shape)] = value
+    if rng.random() < 0.3:
+        bits[rng.integers(0, rows), rng.integers(0, 3), :] = rng.choice([0, 0x8000])
+    tensor = as_torch(bits, dtype)
+    finite = bool(torch.isfinite(tensor).all())
+    nonzero = bool((tensor != 0).any(dim=-1).all())
+    if not finite:
+        with pytest.raises(NonFiniteValues):
+            copy_checked(bits, dtype, "aux")
+    elif not nonzero:
+        with pytest.raises(DegenerateValues):
+            copy_checked(bits, dtype, "aux")
+    else:
+        assert np.array_equal(copy_checked(bits, dtype, "aux"), bits)
+
+
+def test_float32_checks_use_the_values() -> None:
+    good = np.ones((4, 2, 8), np.float32)
+    assert np.array_equal(copy_checked(good, "float32", "final"), good)
+    bad = good.copy()
+    bad[3, 1, 2] = np.inf
+    with pytest.raises(NonFiniteValues, match="token 3"):
+        copy_checked(bad, "float32", "final", sample_id="s1", rid="hsdump-r")
+
+
+def test_the_first_bad_token_is_named_across_blocks() -> None:
+    bits = np.full((5000, 2, 512), 0x3F80, np.uint16)  # 1.0 everywhere, spans several blocks
+    bits[4321, 1, 7] = 0x7FC0
+    with pytest.raises(NonFiniteValues, match="token 4321"):
+        copy_checked(bits, "bfloat16", "aux")
+    bits[4321, 1, 7] = 0x3F80
+    bits[4999, 0, :] = 0x8000  # -0.0 is zero too
+    with pytest.raises(DegenerateValues, match="token 4999"):
+        copy_checked(bits, "bfloat16", "aux")
