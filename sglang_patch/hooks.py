@@ -81,7 +81,8 @@ def configure_capture(model: Any, requested: tuple[int, ...] | None) -> tuple[in
     after this).
     """
     module = find_capture_module(model)
-    already = bool(getattr(model, "capture_aux_hidden_states", False)) and module.layers_to_capture
+    # Read on the capture module: wrappers (Kimi-K2.5's language_model) keep the flag inside.
+    already = bool(module.layers_to_capture)
     if not already:
         if not hasattr(model, "set_eagle3_layers_to_capture"):
             raise RuntimeError(

@@ -133,12 +133,22 @@ from sglang.srt.model_executor.model_runner_components import attention_backend_
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.tp_worker import TpModelWorker
 
-model = Model(SCENARIO.get("deepseek", False))
-abs_.configure_aux_hidden_state_capture(model=model, eagle_use_aux_hidden_state=False,
-    eagle_aux_hidden_state_layer_ids=None, dflash_use_aux_hidden_state=False,
+core = model = Model(SCENARIO.get("deepseek", False))
+if SCENARIO.get("wrapped"):  # like Kimi-K2.5: a multimodal wrapper around the language model
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.language_model = core
+            self.config = SimpleNamespace(text_config=core.config)
+        def set_eagle3_layers_to_capture(self, layer_ids=None):
+            self.language_model.set_eagle3_layers_to_capture(layer_ids)
+    model = Wrapper()
+server_layers = SCENARIO.get("server_layers")  # the server's own EAGLE-3 capture settings
+abs_.configure_aux_hidden_state_capture(model=model, eagle_use_aux_hidden_state=bool(server_layers),
+    eagle_aux_hidden_state_layer_ids=server_layers, dflash_use_aux_hidden_state=False,
     dflash_target_layer_ids=None, is_dspark=False)
 Scheduler(SimpleNamespace(enable_return_hidden_states=SCENARIO.get("full", True), model_path="m"))
-layers = list(model.model.layers_to_capture)
+layers = list(core.model.layers_to_capture)
 
 def states(n, seed):
     g = torch.Generator().manual_seed(seed)
@@ -269,3 +279,22 @@ def test_a_failing_dumper_never_breaks_the_forward(tmp_path, hook_registry_sourc
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert out["width"] == [14, 32]
     assert "staging the hidden states of a prefill batch failed" in proc.stderr
+
+
+def test_a_wrapped_language_model_is_found_and_captured(tmp_path, hook_registry_source) -> None:
+    proc, out, dump = run_server(tmp_path, hook_registry_source, {"wrapped": True})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert out["layers"] == [2, 4, 5] and published(dump) == ["req_hsdump-a", "req_hsdump-c"]
+
+
+def test_layers_the_server_already_captures_are_kept(tmp_path, hook_registry_source) -> None:
+    scenario = {"server_layers": [0, 2, 5]}  # llama adds 1: captures [1, 3, 6]
+    proc, out, dump = run_server(tmp_path, hook_registry_source, scenario)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert read_dump(dump / "req_hsdump-a").meta.layer_ids == out["layers"] == [1, 3, 6]
+
+
+def test_layer_ids_that_disagree_with_the_servers_capture_stop_it(tmp_path, hook_registry_source):
+    env = {"HSDUMP_LAYER_IDS": "2,4,5"}
+    proc, _, _ = run_server(tmp_path, hook_registry_source, {"server_layers": [0, 2, 5]}, env=env)
+    assert proc.returncode != 0 and "already captures layers [1, 3, 6]" in proc.stderr
