@@ -66,7 +66,7 @@ class Dumper:
             self.writer.submit_error(rid, reason)
         if not plan.slices:
             return
-        hidden = getattr(logits_output, "hidden_states", None)
+        hidden: Any = getattr(logits_output, "hidden_states", None)
         problem = self._check(hidden, plan)
         if problem is not None:
             for piece in plan.slices:

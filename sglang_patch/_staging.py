@@ -126,7 +126,7 @@ def record_event(device: torch.device) -> Any:
     """An event after the work queued so far on ``device``'s current stream."""
     if device.type != "cuda":
         return _DoneEvent()
-    event = torch.cuda.Event()
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
     event.record(torch.cuda.current_stream(device))
     return event
 

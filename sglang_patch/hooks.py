@@ -120,7 +120,7 @@ def _check_layer_range(model: Any, layer_ids: tuple[int, ...]) -> None:
 
 def after_configure_capture(result: Any, *args: Any, **kwargs: Any) -> Any:
     """AFTER ``configure_aux_hidden_state_capture``: turn on and record aux-layer capture."""
-    model = kwargs.get("model", args[0] if args else None)
+    model: Any = kwargs.get("model", args[0] if args else None)
     try:
         config = STATE.config = load_config()
         STATE.layer_ids = configure_capture(model, config.layer_ids)
