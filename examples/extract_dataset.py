@@ -27,7 +27,9 @@ async def extract(samples, url, dump_dir, store_path):
             for sample in samples:
                 if sample.id not in store:  # resume: skip what an earlier run stored
                     await store.write(await client.extract(sample))
-            return len(store), store.num_tokens
+    # Closing the store committed its last, partly filled shard: now every sample is visible.
+    with open_store(store_path, "r") as store:
+        return len(store), store.num_tokens
 
 
 def main():

@@ -114,7 +114,8 @@ def test_a_transient_failure_is_retried_and_the_sample_stored(fake, tmp_path):
 
 
 def test_a_sample_failing_every_retry_is_recorded_and_the_exit_code_is_one(fake, tmp_path):
-    fake.inject(*[Fault("error_marker")] * 2)
+    s0 = _good(1)[0]["input_ids"]
+    fake.engine.fault_for = lambda rid, ids: Fault("error_marker") if ids == s0 else None
     dataset = _dataset(tmp_path / "d.jsonl", *_good(2))
     result = _extract_from(fake, tmp_path, dataset, "--retries", "1")
     assert result.exit_code == 1 and _ids(tmp_path) == ["s1"]
