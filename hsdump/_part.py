@@ -112,7 +112,7 @@ class _Pending:
     has_mask: int
     crc: int
     raw_bytes: int
-    stats: list[LayerStats]
+    stats: Future[list[LayerStats]]
 
 
 class PartWriter:
@@ -164,7 +164,7 @@ class PartWriter:
         final: np.ndarray,
         ids: np.ndarray,
         mask: np.ndarray | None,
-        stats: list[LayerStats],
+        stats: Future[list[LayerStats]],
     ) -> None:
         """Place one sample in the shard buffer; commit whatever is now fully on disk."""
         offset, length = self._next, aux.shape[0]
@@ -308,7 +308,7 @@ class PartWriter:
         self._arrays["sample_id"][n0:n1] = np.array([p.sample_id for p in ready], dtype=object)
         stats = state.stats
         for p in ready:
-            stats = merge_layer_lists(stats, p.stats)
+            stats = merge_layer_lists(stats, p.stats.result())
         new_state = state.model_copy(
             update={
                 "n_committed": n1,

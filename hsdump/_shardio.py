@@ -27,12 +27,13 @@ _SHUFFLE = {"shuffle": 1, "bitshuffle": 2, "noshuffle": 0}
 
 
 @cache
-def _pool() -> ThreadPoolExecutor:
+def codec_pool() -> ThreadPoolExecutor:
+    """The process-wide pool for codec and statistics work (one thread per core)."""
     return ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="hsdump-codec")
 
 
 # A forked child (a DataLoader worker) inherits the pool object but not its threads.
-os.register_at_fork(after_in_child=_pool.cache_clear)
+os.register_at_fork(after_in_child=codec_pool.cache_clear)
 
 
 def _crc32c(data: bytes | memoryview) -> int:
@@ -63,7 +64,7 @@ class ShardIO:
         """A shard holding ``rows`` (a multiple of the chunk size, at most one shard)."""
         n = -(-rows.shape[0] // self._ct)
         parts = list(
-            _pool().map(
+            codec_pool().map(
                 self._encode_chunk, (rows[i * self._ct : (i + 1) * self._ct] for i in range(n))
             )
         )
@@ -105,7 +106,7 @@ class ShardIO:
                 out,
                 base - start,
             )
-        list(_pool().map(lambda job: job(), jobs))
+        list(codec_pool().map(lambda job: job(), jobs))
         return out
 
     def _read_shard(self, shard: int, lo: int, hi: int, out: np.ndarray, shift: int) -> list[Any]:

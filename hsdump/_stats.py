@@ -105,6 +105,13 @@ def array_stats(bits: np.ndarray, dtype: str, layers: list[int | str]) -> list[L
     return total
 
 
+def sample_stats(
+    aux: np.ndarray, final: np.ndarray, dtype: str, layer_ids: list[int]
+) -> list[LayerStats]:
+    """Statistics of one sample: its aux layers ``[T, K, H]``, then its final state ``[T, H]``."""
+    return array_stats(aux, dtype, list(layer_ids)) + array_stats(final[:, None], dtype, ["final"])
+
+
 def _as_float32(bits: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
         return (bits.astype(np.uint32) << 16).view(np.float32)
