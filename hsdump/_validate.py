@@ -29,7 +29,7 @@ __all__ = ["Expected", "check_response", "copy_checked", "validate_meta"]
 
 # Exponent masks of the 16-bit float formats: all ones means Inf or NaN.
 _EXP_MASK = {"bfloat16": 0x7F80, "float16": 0x7C00}
-_BLOCK_BYTES = 1 << 21
+_BLOCK_BYTES = 1 << 23  # as fast as 2 MiB blocks here, with 4x fewer GIL hand-offs
 
 
 @dataclass
