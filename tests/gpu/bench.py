@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -96,7 +97,10 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     asyncio.run(plain(args.url, dataset(512, 16, 99), 4))  # warm-up (JIT)
+    chosen = os.environ.get("HSDUMP_BENCH_LENGTHS")  # e.g. "2048": a shorter run
     for length, count in LENGTHS.items():
+        if chosen and str(length) not in chosen.split(","):
+            continue
         samples = dataset(length, count, length)
         tokens = length * count
         for conc in (1, 8):
