@@ -35,8 +35,11 @@ def mypy(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks: each prints its figures, the target, and the command that reproduces it."""
+    """Benchmarks: each prints its figures, the target, and the command that reproduces it.
+
+    `nox -s bench -- --quick` for short runs; `-- --strict` fails the session on a missed target.
+    """
     session.install(*INSTALL)
-    quick = ["--quick"] if "--quick" in session.posargs else []
-    session.run("python", "benchmarks/bench_store.py", *quick)
-    session.run("python", "benchmarks/bench_pipeline.py", *quick)
+    flags = [arg for arg in session.posargs if arg in ("--quick", "--strict")]
+    session.run("python", "benchmarks/bench_store.py", *flags)
+    session.run("python", "benchmarks/bench_pipeline.py", *flags)

@@ -13,7 +13,7 @@ and reports end-to-end / min(server alone, store alone) for one request in fligh
 Then the watcher wake-up latency (publish -> waiter resumes) for inotify and polling, and the peak
 bytes in the dump root against the byte budget.
 
-    python benchmarks/bench_pipeline.py [--quick]
+    python benchmarks/bench_pipeline.py [--quick] [--strict]
 """
 
 from __future__ import annotations
@@ -298,4 +298,7 @@ if __name__ == "__main__":
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="smaller run (about a minute)")
-    sys.exit(asyncio.run(main(parser.parse_args().quick)))
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    options = parser.parse_args()
+    missed = asyncio.run(main(options.quick))
+    sys.exit(missed if options.strict else 0)
