@@ -1,4 +1,4 @@
-"""Value checks agree with torch's own view of the same bits, for every dtype the protocol allows."""
+"""Value checks agree with torch on the same bits, for every dtype the protocol allows."""
 
 from __future__ import annotations
 
