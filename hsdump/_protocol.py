@@ -40,6 +40,7 @@ __all__ = [
     "DEFAULT_DUMP_DIR",
     "DEFAULT_RID_PREFIX",
     "DONE_MARKER",
+    "ENV_DUMP_DIR",
     "ERROR_MARKER",
     "FINAL_FILE",
     "META_FILE",
