@@ -89,14 +89,19 @@ def array_stats(bits: np.ndarray, dtype: str, layers: list[int | str]) -> list[L
     """
     total = [LayerStats(layer=name) for name in layers]
     for start in range(0, bits.shape[0], _BLOCK_ROWS):
-        values = _as_float32(bits[start : start + _BLOCK_ROWS], dtype)
+        block = bits[start : start + _BLOCK_ROWS]
+        values = _as_float32(block, dtype)
         with np.errstate(over="ignore", invalid="ignore"):
             sums = values.sum(-1)
             squares = np.einsum("tlh,tlh->tl", values, values)
         # A NaN or Inf (or float32 overflow of a square) shows in the row sums: exact path.
         if np.isfinite(sums).all() and np.isfinite(squares).all():
             part = _block_stats(
-                values, sums.sum(0, dtype=np.float64), squares.sum(0, dtype=np.float64), None
+                values.shape,
+                sums.sum(0, dtype=np.float64),
+                squares.sum(0, dtype=np.float64),
+                _max_abs(block, values, dtype),
+                None,
             )
         else:
             part = _nonfinite_block_stats(values)
@@ -113,19 +118,33 @@ def sample_stats(
 
 
 def _as_float32(bits: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "bfloat16":
-        return (bits.astype(np.uint32) << 16).view(np.float32)
+    if dtype == "bfloat16":  # one ufunc pass (astype then shift made two, 4.8x slower)
+        return np.left_shift(bits, 16, dtype=np.uint32).view(np.float32)
     if dtype == "float16":
         return bits.view(np.float16).astype(np.float32)
     return bits.view(np.float32)
 
 
+def _max_abs(bits: np.ndarray, values: np.ndarray, dtype: str) -> np.ndarray:
+    """Largest magnitude per layer of a finite block."""
+    if not bits.shape[0]:
+        return np.zeros(bits.shape[1])
+    if dtype in ("bfloat16", "float16"):
+        # Without the sign bit, 16-bit float bits order like magnitudes: max the bits, not floats.
+        peak = np.ascontiguousarray(np.bitwise_and(bits, 0x7FFF).max(axis=(0, 2)))
+        return _as_float32(peak, dtype)
+    return np.abs(values).max(axis=(0, 2))
+
+
 def _block_stats(
-    values: np.ndarray, sums: np.ndarray, squares: np.ndarray, bad: np.ndarray | None
+    shape: tuple[int, ...],
+    sums: np.ndarray,
+    squares: np.ndarray,
+    max_abs: np.ndarray,
+    bad: np.ndarray | None,
 ) -> list[LayerStats]:
-    rows, layers, hidden = values.shape
+    rows, layers, hidden = shape
     bad_counts = [0] * layers if bad is None else [int(b) for b in bad]
-    max_abs = np.abs(values).max(axis=(0, 2)) if rows else np.zeros(layers)
     out = []
     for i in range(layers):
         n = rows * hidden - bad_counts[i]
@@ -149,4 +168,6 @@ def _nonfinite_block_stats(values: np.ndarray) -> list[LayerStats]:
     finite = np.isfinite(wide)
     bad = (~finite).sum(axis=(0, 2))
     wide = np.where(finite, wide, 0.0)
-    return _block_stats(wide, wide.sum(axis=(0, 2)), np.square(wide).sum(axis=(0, 2)), bad)
+    max_abs = np.abs(wide).max(axis=(0, 2)) if wide.shape[0] else np.zeros(wide.shape[1])
+    sums, squares = wide.sum(axis=(0, 2)), np.square(wide).sum(axis=(0, 2))
+    return _block_stats(wide.shape, sums, squares, max_abs, bad)
