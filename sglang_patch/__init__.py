@@ -3,7 +3,7 @@
 Installed with the ``hsdump`` distribution, it registers :func:`sglang_patch.plugin.register` as
 an ``sglang.srt.plugins`` entry point. It is inert unless ``HSDUMP_DUMP_DIR`` is set. It shares
 only the on-disk format (:mod:`hsdump._protocol`) with the client and never imports the client's
-dependencies (httpx, watchfiles, zarr). See ``docs/sglang.md``.
+dependencies (httpx, inotify_simple, zarr). See ``docs/sglang.md``.
 """
 
 __all__: list[str] = []
