@@ -35,12 +35,35 @@ class InputLimits:
 
     @classmethod
     def from_server_info(cls, info: Mapping[str, Any]) -> InputLimits:
-        """The limits a server reports in ``/server_info`` (absent fields are not checked)."""
-        length = info.get("max_req_input_len") or info.get("context_length")
-        vocab = info.get("vocab_size")
+        """The limits a server reports in ``/server_info`` (absent fields are not checked).
+
+        SGLang reports the longest prompt per scheduler (``internal_states``) and no vocabulary
+        size; the vocabulary then comes from the model's ``config.json`` when ``model_path`` is a
+        local directory (the usual case on the node next to the server).
+        """
+        states = info.get("internal_states") or [{}]
+        scheduler = states[0] if isinstance(states[0], Mapping) else {}
+        length = (
+            info.get("max_req_input_len")
+            or scheduler.get("max_req_input_len")
+            or info.get("context_length")
+        )
+        vocab = info.get("vocab_size") or _local_vocab_size(info.get("model_path"))
         return cls(
             vocab_size=int(vocab) if vocab else None, max_tokens=int(length) if length else None
         )
+
+
+def _local_vocab_size(model_path: object) -> int | None:
+    """``vocab_size`` from a local model directory's config (or its ``text_config``), else None."""
+    if not isinstance(model_path, str) or not model_path:
+        return None
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return int(vocab) if isinstance(vocab, int) else None
 
 
 @dataclass(frozen=True)

@@ -91,6 +91,17 @@ def test_limits_come_from_the_server_info_fields():
     assert InputLimits.from_server_info({}) == InputLimits()
 
 
+def test_sglang_limits_come_from_its_scheduler_and_the_local_model_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 163840}}))
+    info = {"model_path": str(tmp_path), "internal_states": [{"max_req_input_len": 131072}]}
+    assert InputLimits.from_server_info(info) == InputLimits(163840, 131072)
+
+
+def test_a_remote_model_path_leaves_the_vocabulary_unchecked():
+    info = {"model_path": "moonshotai/Kimi-K2.5", "context_length": 4096}
+    assert InputLimits.from_server_info(info) == InputLimits(None, 4096)
+
+
 def test_the_bundled_dataset_is_valid_for_the_built_in_model():
     data = resources.files("hsdump") / "data" / "sample.jsonl"
     with resources.as_file(data) as path:
