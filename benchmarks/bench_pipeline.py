@@ -7,8 +7,9 @@ sizes through the protocol:
 1. server alone: the fake server consumed by the thinnest possible client (HTTP + inotify + delete
    the dump);
 2. store alone: the same hidden states written straight into a fresh store;
-3. end to end: ``run_extraction`` with HiddenStateClient + store.
+3. end to end: ``run_extraction`` with HiddenStateClient + store;
 
+each rate the best of two runs, so that noise treats both sides alike,
 and reports end-to-end / min(server alone, store alone) for one request in flight and for 8.
 Then the watcher wake-up latency (publish -> waiter resumes) for inotify and polling, and the peak
 bytes in the dump root against the byte budget.
@@ -221,8 +222,12 @@ async def throughput(server: Server, batch: list[Sample], work: Path) -> int:
     print("|---|---|---|---|---|---|")
     stages = []
     for conc in (1, 8):
-        srv = await server_alone(server, batch, conc)
-        e2e, _, summary = await end_to_end(server, batch, work / f"e2e-{conc}.zarr", conc)
+        # Best of two for every rate, as for the store alone: the same treatment on both sides.
+        srv = max([await server_alone(server, batch, conc) for _ in range(2)])
+        runs = [
+            await end_to_end(server, batch, work / f"e2e-{conc}-{i}.zarr", conc) for i in range(2)
+        ]
+        e2e, _, summary = max(runs, key=lambda run: run[0])
         ratio = e2e / min(srv, store_rate)
         failures += ratio < 0.9
         print(
