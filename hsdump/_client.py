@@ -166,12 +166,12 @@ class HiddenStateClient:
         try:
             self.server_info = await self._fetch_server_info()
             check_server_settings(self.server_info, self.manifest, self.base_url)
+            # torch takes seconds to import; pay that here rather than inside the first
+            # extraction, where every request in flight would wait on the import lock.
+            await anyio.to_thread.run_sync(importlib.import_module, "torch")
         except BaseException:
             await self._close_http()
             raise
-        # torch takes seconds to import; pay that here rather than inside the first extraction,
-        # where every request in flight would wait on the import lock and the rates would lie.
-        await anyio.to_thread.run_sync(importlib.import_module, "torch")
         self._lease = ClientLease(self.dump_dir, self.rid_prefix)
         remove_stale(self.dump_dir, rid_prefix=self.rid_prefix, stale_after=self.stale_after)
         self._watcher = self._make_watcher()

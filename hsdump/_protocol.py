@@ -233,6 +233,11 @@ class Dump:
     final: np.ndarray
 
 
+def _temp_dir(root: Path, rid: str) -> Path:
+    """Where a dump of ``rid`` is written before it is renamed into place (unique per writer)."""
+    return root / f"{TMP_PREFIX}{REQ_PREFIX}{rid}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
 def _write_json_atomic(path: Path, data: str) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
@@ -274,7 +279,7 @@ class DumpWriter:
         self._aux_row = num_layers * hidden_size * dtype_itemsize(dtype)
         self._final_row = hidden_size * dtype_itemsize(dtype)
         self._covered: list[tuple[int, int]] = []
-        self.tmp = self.root / f"{TMP_PREFIX}{REQ_PREFIX}{rid}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.tmp = _temp_dir(self.root, rid)
         self.tmp.mkdir(parents=True)
         self._fds = [self._open(AUX_FILE, self._aux_row), self._open(FINAL_FILE, self._final_row)]
 
@@ -357,7 +362,7 @@ def write_error(
 ) -> Path:
     """Publish an ``error`` marker for ``rid``, so the client fails fast instead of timing out."""
     info = DumpErrorInfo(rid=validate_rid(rid), reason=reason, producer=producer)
-    tmp = Path(root) / f"{TMP_PREFIX}{REQ_PREFIX}{rid}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = _temp_dir(Path(root), rid)
     tmp.mkdir(parents=True)
     _write_json_atomic(tmp / ERROR_MARKER, info.model_dump_json())
     final = request_dir(root, rid)
