@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from hsdump._protocol import read_dump
+from hsdump._protocol import AUX_FILE, FINAL_FILE, read_meta
 from hsdump._types import HiddenStates
-from hsdump._validate import Expected, copy_checked, validate_meta
+from hsdump._validate import Expected, read_checked, validate_meta
 
 if TYPE_CHECKING:
     import torch
@@ -34,12 +34,15 @@ def load_dump(path: Path, *, sample: Sample, rid: str, expected: Expected) -> Hi
     """Read the dump at ``path``, check it belongs to ``sample`` (sent as ``rid``), and load it."""
     import torch
 
-    dump = read_dump(path, sample_id=sample.id)
-    validate_meta(dump, rid=rid, input_ids=sample.input_ids, sample_id=sample.id, expected=expected)
-    meta = dump.meta
+    meta = read_meta(path, sample_id=sample.id)
+    validate_meta(
+        meta, path, rid=rid, input_ids=sample.input_ids, sample_id=sample.id, expected=expected
+    )
     context = {"sample_id": sample.id, "rid": rid}
-    aux = copy_checked(dump.aux, meta.dtype, "aux_hidden_states", **context)
-    final = copy_checked(dump.final, meta.dtype, "final_hidden_state", **context)
+    aux = read_checked(path / AUX_FILE, meta.aux_shape, meta.dtype, "aux_hidden_states", **context)
+    final = read_checked(
+        path / FINAL_FILE, meta.final_shape, meta.dtype, "final_hidden_state", **context
+    )
     mask = None if sample.loss_mask is None else torch.tensor(sample.loss_mask, dtype=torch.uint8)
     return HiddenStates(
         sample_id=sample.id,

@@ -52,13 +52,16 @@ __all__ = [
     "DumpWriter",
     "ProducerInfo",
     "ProducerManifest",
+    "check_file_size",
     "default_dump_dir",
     "dtype_itemsize",
     "is_opted_in",
     "read_dump",
     "read_manifests",
+    "read_meta",
     "remove_dump",
     "request_dir",
+    "storage_dtype",
     "validate_rid",
     "write_dump",
     "write_error",
@@ -397,15 +400,13 @@ def read_manifests(root: str | os.PathLike[str]) -> list[ProducerManifest]:
     return found
 
 
-def read_dump(path: str | os.PathLike[str], *, sample_id: str | None = None) -> Dump:
-    """Read a published dump without copying its tensors.
+def read_meta(path: str | os.PathLike[str], *, sample_id: str | None = None) -> DumpMeta:
+    """Check a published dump's markers and read its ``meta.json``.
 
     Raises:
         DumpFailed: The producer published an ``error`` marker.
-        DumpValidationError: The directory is incomplete or its metadata or files are malformed.
+        DumpValidationError: The directory is incomplete or its metadata is malformed.
     """
-    import numpy as np
-
     path = Path(path)
     rid = path.name.removeprefix(REQ_PREFIX)
     if (path / ERROR_MARKER).exists():
@@ -413,12 +414,47 @@ def read_dump(path: str | os.PathLike[str], *, sample_id: str | None = None) -> 
     if not (path / DONE_MARKER).exists():
         raise DumpValidationError(f"{path} has no done marker", sample_id=sample_id, rid=rid)
     try:
-        meta = DumpMeta.model_validate_json((path / META_FILE).read_bytes())
+        return DumpMeta.model_validate_json((path / META_FILE).read_bytes())
     except (OSError, ValidationError) as exc:
         raise DumpValidationError(
             f"{path / META_FILE} is unreadable or invalid: {exc}", sample_id=sample_id, rid=rid
         ) from exc
-    np_dtype = np.uint16 if meta.dtype == "bfloat16" else np.dtype(meta.dtype)
+
+
+def storage_dtype(dtype: str) -> Any:
+    """The numpy dtype a tensor file holds: raw ``uint16`` bits for bf16 (numpy has no bf16)."""
+    import numpy as np
+
+    return np.dtype(np.uint16) if dtype == "bfloat16" else np.dtype(dtype)
+
+
+def check_file_size(
+    file: Path, expected: int, shape: Sequence[int], *, sample_id: str | None, rid: str
+) -> None:
+    """Raise unless ``file`` holds exactly ``expected`` bytes (the tensor of ``shape``)."""
+    try:
+        size = file.stat().st_size
+    except OSError as exc:
+        raise DumpValidationError(f"{file} is missing", sample_id=sample_id, rid=rid) from exc
+    if size != expected:
+        raise DumpValidationError(
+            f"{file} holds {size} bytes, expected {expected} for shape {list(shape)}",
+            sample_id=sample_id,
+            rid=rid,
+        )
+
+
+def read_dump(path: str | os.PathLike[str], *, sample_id: str | None = None) -> Dump:
+    """Read a published dump without copying its tensors (they map the files).
+
+    Raises:
+        DumpFailed: The producer published an ``error`` marker.
+        DumpValidationError: The directory is incomplete or its metadata or files are malformed.
+    """
+    path = Path(path)
+    meta = read_meta(path, sample_id=sample_id)
+    np_dtype = storage_dtype(meta.dtype)
+    rid = path.name.removeprefix(REQ_PREFIX)
     aux = _map(path / AUX_FILE, np_dtype, meta.aux_shape, sample_id, rid)
     final = _map(path / FINAL_FILE, np_dtype, meta.final_shape, sample_id, rid)
     return Dump(path=path, meta=meta, aux=aux, final=final)
@@ -430,16 +466,7 @@ def _map(
     import numpy as np
 
     expected = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    try:
-        size = file.stat().st_size
-    except OSError as exc:
-        raise DumpValidationError(f"{file} is missing", sample_id=sample_id, rid=rid) from exc
-    if size != expected:
-        raise DumpValidationError(
-            f"{file} holds {size} bytes, expected {expected} for shape {list(shape)}",
-            sample_id=sample_id,
-            rid=rid,
-        )
+    check_file_size(file, expected, shape, sample_id=sample_id, rid=rid)
     if expected == 0:
         return np.zeros(shape, dtype)
     # Copy-on-write mapping: zero-copy, and writable so torch.from_numpy accepts it.

@@ -162,3 +162,26 @@ def test_manifests_announce_producers(tmp_path: Path) -> None:
     (found,) = read_manifests(tmp_path)
     assert found == m and found.is_alive()
     assert not found.model_copy(update={"pid": 2**22 + 12345}).is_alive()
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_every_protocol_dtype_loads_as_checked_torch_tensors(tmp_path: Path, dtype: str) -> None:
+    import torch
+
+    from hsdump import NonFiniteValues, Sample
+    from hsdump._loading import load_dump
+    from hsdump._validate import Expected
+
+    values = torch.linspace(0.5, 3.0, 4 * 3 * 8).reshape(4, 3, 8).to(getattr(torch, dtype))
+    raw = values.view(torch.uint16) if dtype == "bfloat16" else values
+    aux, final = raw[:, :2].contiguous().numpy(), raw[:, 2].contiguous().numpy()
+    sample = Sample(id="s1", input_ids=list(range(4)))
+    path = write_dump(tmp_path, meta(dtype=dtype), aux, final)
+    loaded = load_dump(path, sample=sample, rid="hsdump-a", expected=Expected())
+    assert loaded.aux_hidden_states.dtype == values.dtype
+    assert torch.equal(loaded.aux_hidden_states, values[:, :2])
+    assert torch.equal(loaded.final_hidden_state, values[:, 2])
+    aux[3, 1, 5] = 0x7FC0 if dtype == "bfloat16" else np.nan  # a NaN, in bits for bf16
+    path = write_dump(tmp_path, meta(rid="hsdump-b", dtype=dtype), aux, final)
+    with pytest.raises(NonFiniteValues, match="token 3"):
+        load_dump(path, sample=sample, rid="hsdump-b", expected=Expected())

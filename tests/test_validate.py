@@ -1,6 +1,10 @@
-"""Value checks agree with torch on the same bits, for every dtype the protocol allows."""
+"""Value checks agree with torch on the same bits, for every dtype the protocol allows; files that
+do not hold what the metadata says are refused."""
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -8,10 +12,19 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hsdump import DegenerateValues, NonFiniteValues
-from hsdump._validate import copy_checked
+from hsdump import DegenerateValues, DumpValidationError, NonFiniteValues
+from hsdump._validate import read_checked
 
 TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def copy_checked(bits: np.ndarray, dtype: str, name: str, **context: str) -> np.ndarray:
+    """Write ``bits`` as a dump's tensor file and read them back through the checks."""
+    with tempfile.TemporaryDirectory() as tmp:
+        file = Path(tmp) / "aux.bin"
+        bits.tofile(file)
+        context.setdefault("rid", "hsdump-r")
+        return read_checked(file, bits.shape, dtype, name, **context)
 
 
 def as_torch(bits: np.ndarray, dtype: str) -> torch.Tensor:
@@ -46,7 +59,7 @@ def test_checks_match_torch_on_random_bits(
         with pytest.raises(DegenerateValues):
             copy_checked(bits, dtype, "aux")
     else:
-        assert np.array_equal(copy_checked(bits, dtype, "aux"), bits)
+        assert np.array_equal(copy_checked(bits, dtype, "aux").view(np.uint16), bits)
 
 
 def test_float32_checks_use_the_values() -> None:
@@ -67,3 +80,22 @@ def test_the_first_bad_token_is_named_across_blocks() -> None:
     bits[4999, 0, :] = 0x8000  # -0.0 is zero too
     with pytest.raises(DegenerateValues, match="token 4999"):
         copy_checked(bits, "bfloat16", "aux")
+
+
+def test_a_file_of_the_wrong_size_is_refused_with_both_sizes(tmp_path: Path) -> None:
+    file = tmp_path / "final.bin"
+    np.ones((3, 8), np.uint16).tofile(file)
+    with pytest.raises(DumpValidationError, match="holds 48 bytes, expected 64") as info:
+        read_checked(file, (4, 8), "bfloat16", "final", sample_id="s1", rid="hsdump-r")
+    assert info.value.sample_id == "s1" and info.value.rid == "hsdump-r"
+
+
+def test_a_missing_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(DumpValidationError, match="is missing"):
+        read_checked(tmp_path / "aux.bin", (4, 2, 8), "bfloat16", "aux", rid="hsdump-r")
+
+
+def test_an_empty_tensor_reads_as_empty(tmp_path: Path) -> None:
+    file = tmp_path / "aux.bin"
+    file.touch()
+    assert read_checked(file, (0, 2, 8), "bfloat16", "aux", rid="hsdump-r").shape == (0, 2, 8)
