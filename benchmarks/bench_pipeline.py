@@ -9,8 +9,9 @@ sizes through the protocol:
 2. store alone: the same hidden states written straight into a fresh store;
 3. end to end: ``run_extraction`` with HiddenStateClient + store;
 
-each rate the best of two runs, so that noise treats both sides alike,
-and reports end-to-end / min(server alone, store alone) for one request in flight and for 8.
+each rate the best of two runs, so that noise treats both sides alike, and every timed run
+starting from a settled page cache (earlier runs' stores deleted, dirty pages written back), and
+reports end-to-end / min(server alone, store alone) for one request in flight and for 8.
 Then the watcher wake-up latency (publish -> waiter resumes) for inotify and polling, and the peak
 bytes in the dump root against the byte budget.
 
@@ -33,6 +34,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -51,6 +53,37 @@ LAYERS = (2, 16, 29)
 class Server:
     url: str
     dump_dir: Path
+    pid: int
+
+
+@dataclass(frozen=True)
+class Run:
+    """One timed pass over the batch: tokens/s, and CPU core-ms per sample in both processes."""
+
+    rate: float
+    cpu_ms: float
+
+
+def process_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process, all threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """CPU seconds spent by this process and the server's process between start and stop."""
+
+    def __init__(self, server: Server):
+        self.server = server
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+        self._own, self._srv = time.process_time(), process_cpu_s(self.server.pid)
+
+    def stop(self, tokens: int, samples: int) -> Run:
+        wall = time.perf_counter() - self._t0
+        cpu = time.process_time() - self._own + process_cpu_s(self.server.pid) - self._srv
+        return Run(rate=tokens / wall, cpu_ms=cpu / samples * 1e3)
 
 
 @contextlib.contextmanager
@@ -70,7 +103,7 @@ def fake_server_process(
     child = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None
-        yield Server(url=child.stdout.readline().strip(), dump_dir=dump_dir)
+        yield Server(url=child.stdout.readline().strip(), dump_dir=dump_dir, pid=child.pid)
     finally:
         child.terminate()
         child.wait(10)
@@ -92,7 +125,19 @@ def samples(n: int, tokens: int) -> list[Sample]:
     ]
 
 
-async def server_alone(server: Server, batch: list[Sample], concurrency: int) -> float:
+def settle(work: Path) -> None:
+    """Delete earlier runs' stores and write back dirty pages before a timed run.
+
+    Otherwise the kernel writes the previous run's ~0.7 GB back to disk during the next one,
+    taking CPU and I/O from whichever side happens to be measured then (on 2 cores it moved the
+    end-to-end rate by up to 25% from run to run).
+    """
+    for old in work.glob("*.zarr"):
+        shutil.rmtree(old, ignore_errors=True)
+    os.sync()
+
+
+async def server_alone(server: Server, batch: list[Sample], concurrency: int) -> Run:
     """Tokens/s of the server with a consumer that does nothing but wait for and delete dumps."""
     watcher = InotifyWatcher(server.dump_dir)
     limiter = anyio.Semaphore(concurrency)
@@ -111,32 +156,35 @@ async def server_alone(server: Server, batch: list[Sample], concurrency: int) ->
                     (await http.post("/generate", json=body)).raise_for_status()
                 shutil.rmtree(request_dir(server.dump_dir, rid))
 
-        started = time.perf_counter()
+        meter = CpuMeter(server)
+        meter.start()
         async with anyio.create_task_group() as tg:
             for s in batch:
                 tg.start_soon(one, s)
-        elapsed = time.perf_counter() - started
+        run = meter.stop(sum(len(s.input_ids) for s in batch), len(batch))
     await watcher.aclose()
-    return sum(len(s.input_ids) for s in batch) / elapsed
+    return run
 
 
-async def store_alone(server: Server, batch: list[Sample], work: Path) -> float:
+async def store_alone(server: Server, batch: list[Sample], work: Path) -> Run:
     """Tokens/s of the store alone, fed the same hidden states (extracted beforehand).
 
     Best of two runs, after a warm-up write, so thread pools and imports are not timed.
     """
     async with HiddenStateClient(server.url, dump_dir=server.dump_dir) as client:
         states = [await client.extract(s) for s in batch]
-    rates = []
+    runs = []
     for attempt in range(3):
+        settle(work)
         store = open_store(work / f"store-alone-{attempt}.zarr", mode="w")
-        started = time.perf_counter()
+        meter = CpuMeter(server)
+        meter.start()
         for hs in states if attempt else states[:2]:
             await store.write(hs)
         await store.aclose()
         if attempt:
-            rates.append(sum(hs.num_tokens for hs in states) / (time.perf_counter() - started))
-    return max(rates)
+            runs.append(meter.stop(sum(hs.num_tokens for hs in states), len(states)))
+    return max(runs, key=lambda run: run.rate)
 
 
 async def end_to_end(
@@ -145,15 +193,19 @@ async def end_to_end(
     where: Path,
     concurrency: int,
     budget: int | None = None,
-) -> tuple[float, HiddenStateClient, object]:
+) -> tuple[Run, HiddenStateClient, Any]:
+    settle(where.parent)
     async with HiddenStateClient(
         server.url, dump_dir=server.dump_dir, max_in_flight=concurrency, dump_budget_bytes=budget
     ) as client:
         store = open_store(where, mode="w")
+        meter = CpuMeter(server)
+        meter.start()
         summary = await run_extraction(batch, client=client, store=store, concurrency=concurrency)
+        cpu = meter.stop(summary.tokens_done, len(batch)).cpu_ms
         await store.aclose()
     assert summary.ok and summary.samples_done == len(batch), summary
-    return summary.tokens_done / summary.wall_s, client, summary
+    return Run(rate=summary.tokens_done / summary.wall_s, cpu_ms=cpu), client, summary
 
 
 async def wake_latency(kind: str, root: Path, n: int) -> list[float]:
@@ -213,31 +265,55 @@ def verdict(ok: bool) -> str:
 
 
 async def throughput(server: Server, batch: list[Sample], work: Path) -> int:
-    """Print the throughput table; returns the number of missed targets."""
+    """Print the throughput and CPU tables; returns the number of missed targets."""
     failures = 0
-    store_rate = await store_alone(server, batch, work)
+    store = await store_alone(server, batch, work)
     print(
         "| in flight | server alone tok/s | store alone tok/s | end to end tok/s | ratio | target |"
     )
     print("|---|---|---|---|---|---|")
-    stages = []
+    stages, cpu_rows = [], []
     for conc in (1, 8):
         # Best of two for every rate, as for the store alone: the same treatment on both sides.
-        srv = max([await server_alone(server, batch, conc) for _ in range(2)])
+        server_runs = []
+        for _ in range(2):
+            settle(work)
+            server_runs.append(await server_alone(server, batch, conc))
+        srv = max(server_runs, key=lambda run: run.rate)
         runs = [
             await end_to_end(server, batch, work / f"e2e-{conc}-{i}.zarr", conc) for i in range(2)
         ]
-        e2e, _, summary = max(runs, key=lambda run: run[0])
-        ratio = e2e / min(srv, store_rate)
+        e2e, _, summary = max(runs, key=lambda run: run[0].rate)
+        ratio = e2e.rate / min(srv.rate, store.rate)
         failures += ratio < 0.9
         print(
-            f"| {conc} | {srv:,.0f} | {store_rate:,.0f} | {e2e:,.0f} | {ratio:.2f} "
+            f"| {conc} | {srv.rate:,.0f} | {store.rate:,.0f} | {e2e.rate:,.0f} | {ratio:.2f} "
             f"| >= 0.90: {verdict(ratio >= 0.9)} |"
         )
         busy = ", ".join(f"{k} {v:.2f}" for k, v in summary.stages.items())
         stages.append(f"- {conc} in flight, seconds per stage over {summary.wall_s:.2f} s: {busy}")
+        cpu_rows.append(cpu_row(conc, srv, store, e2e))
     print("\n" + "\n".join(stages))
+    print(
+        "\nCPU core-ms per sample, both processes (plumbing = end to end - store alone - server "
+        "alone; bound = the best ratio that a client with no more plumbing than the thinnest "
+        "consumer could reach when the store is the slower side and the server's work shares "
+        "the store's cores):\n"
+    )
+    print("| in flight | server alone | store alone | end to end | plumbing | CPU bound on ratio |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(cpu_rows))
     return failures
+
+
+def cpu_row(conc: int, srv: Run, store: Run, e2e: Run) -> str:
+    plumbing = e2e.cpu_ms - store.cpu_ms - srv.cpu_ms
+    # Only a run bound by the store (the slower side) is CPU-bound; else it waits on the server.
+    bound = f"{store.cpu_ms / (store.cpu_ms + srv.cpu_ms):.2f}" if store.rate < srv.rate else "-"
+    return (
+        f"| {conc} | {srv.cpu_ms:.1f} | {store.cpu_ms:.1f} | {e2e.cpu_ms:.1f} | {plumbing:.1f} "
+        f"| {bound} |"
+    )
 
 
 async def budget_check(server: Server, batch: list[Sample], work: Path, row: int) -> int:
