@@ -24,6 +24,7 @@ __all__ = [
     "describe",
     "ids_int32",
     "local_dir",
+    "local_root",
     "lock_part",
     "open_root",
     "os_error",
@@ -128,11 +129,16 @@ def ids_int32(hs: HiddenStates) -> np.ndarray:
 
 
 def local_dir(root: zarr.Group) -> Path | None:
+    """The directory of a group in a local store (None for any other store)."""
+    base = local_root(root.store)
+    return None if base is None else base / root.store_path.path
+
+
+def local_root(store: Any) -> Path | None:
+    """The directory of a zarr ``LocalStore`` (None for any other store)."""
     from zarr.storage import LocalStore
 
-    if not isinstance(root.store, LocalStore):
-        return None
-    return Path(root.store.root) / root.store_path.path
+    return Path(store.root) if isinstance(store, LocalStore) else None
 
 
 def lock_part(root: zarr.Group, name: str, where: str) -> int | None:

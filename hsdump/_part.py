@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict
 
 from hsdump._codecs import bits_dtype, hidden_compressors, small_compressors
 from hsdump._provenance import Provenance
-from hsdump._shardio import ShardIO
+from hsdump._shardio import FlatChunks, ShardIO
 from hsdump._stats import LayerStats, merge_layer_lists
 
 if TYPE_CHECKING:
@@ -267,8 +267,8 @@ class PartWriter:
         self, start: int, end: int, buf: np.ndarray, ids: np.ndarray, mask: np.ndarray
     ) -> int:
         size = self._shards.write(start // self._layout.shard_tokens, buf[: end - start])
-        self._arrays["input_ids"][start:end] = ids[: end - start]
-        self._arrays["loss_mask"][start:end] = mask[: end - start]
+        self._ids_chunks.write(start, ids[: end - start])
+        self._mask_chunks.write(start, mask[: end - start])
         return size
 
     def _wait_inflight(self, *, block: bool = True) -> None:
@@ -336,6 +336,8 @@ class PartWriter:
         return layout
 
     def _create_arrays(self, layout: PartLayout) -> None:
+        # Arrays left by a writer that failed or was killed before its first commit hold nothing
+        # committed (the layout is committed with the first sample): replace them.
         shard, tokens = layout.shard_tokens, layout.shard_tokens * _SHARDS_PER_GROW
         row = (layout.layers, layout.hidden_size)
         self.group.create_array(
@@ -348,16 +350,18 @@ class PartWriter:
             compressors=hidden_compressors(layout.compression, bits_dtype(layout.dtype).itemsize),  # type: ignore[arg-type]
             attributes={"logical_dtype": layout.dtype, "axes": ["token", "layer", "hidden"]},
             chunk_key_encoding=_FLAT_KEYS,
+            overwrite=True,
         )
         small: dict[str, Any] = {
             "chunks": (shard * _IDS_CHUNK_SHARDS,),
             "fill_value": 0,
             "compressors": small_compressors(),
             "chunk_key_encoding": _FLAT_KEYS,
+            "overwrite": True,
         }
         self.group.create_array("input_ids", shape=(tokens,), dtype="int32", **small)
         self.group.create_array("loss_mask", shape=(tokens,), dtype="uint8", **small)
-        idx: dict[str, Any] = {"compressors": small_compressors()}
+        idx: dict[str, Any] = {"compressors": small_compressors(), "overwrite": True}
         self.group.create_array(
             "index/rows",
             shape=(_INDEX_CHUNK, 4),
@@ -381,6 +385,8 @@ class PartWriter:
             "sample_id": g["index/sample_id"],
         }
         self._shards = ShardIO(self._arrays["hidden"], layout)
+        self._ids_chunks = FlatChunks(self._arrays["input_ids"])
+        self._mask_chunks = FlatChunks(self._arrays["loss_mask"])
 
     def _ensure_capacity(self, end: int) -> None:
         hidden = self._arrays["hidden"]

@@ -51,7 +51,7 @@ from hsdump._part import (
 )
 from hsdump._provenance import Provenance, check_compatible, provenance_of
 from hsdump._reader import PartReader, VerifyReport, verify_parts
-from hsdump._shardio import codec_pool
+from hsdump._shardio import PARTIAL_SUFFIX, codec_pool
 from hsdump._stats import LayerStats, merge_layer_lists, sample_stats
 
 if TYPE_CHECKING:
@@ -226,8 +226,8 @@ class HiddenStateStore:
         local = local_dir(self._root)
         if local is None:
             return
-        # A killed zarr LocalStore write leaves its temp file; the real key was never replaced.
-        for leftover in (local / name).rglob("*.partial"):
+        # A killed write (ours or zarr's) leaves its temp file; the key itself was never replaced.
+        for leftover in (local / name).rglob(f"*{PARTIAL_SUFFIX}"):
             leftover.unlink(missing_ok=True)
             logger.info("removed leftover temp file %s", leftover)
 

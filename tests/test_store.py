@@ -366,3 +366,34 @@ def test_full_disk_is_reported_as_a_store_error_saying_what_to_do(
         store.write_sync(make_sample(2))
     store.close()
     assert len(open_store(tmp_path / "s.zarr", "r")) == 0
+
+
+def test_a_shard_write_that_fails_midway_leaves_no_file_and_no_temp_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+    import os
+
+    calls = {"n": 0}
+    real_writev = os.writev
+
+    def writev_then_full(fd: int, buffers: list[memoryview]) -> int:
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_writev(fd, buffers[:1])  # a short write: the rest must follow
+
+    monkeypatch.setattr(os, "writev", writev_then_full)
+    store = open_store(tmp_path / "s.zarr", "a")
+    with pytest.raises(StoreError, match="free space and rerun"):
+        store.write_sync(make_sample(1))
+        store.flush_sync()
+    store.close()
+    hidden = tmp_path / "s.zarr" / "part-w0" / "hidden"
+    assert calls["n"] == 2
+    assert not list(hidden.glob("c.*")), "no shard file may appear from a failed write"
+    monkeypatch.setattr(os, "writev", real_writev)
+    with open_store(tmp_path / "s.zarr", "a") as store:
+        store.write_sync(make_sample(1))
+    with open_store(tmp_path / "s.zarr", "r") as store:
+        assert torch.equal(store["s1"].final_hidden_state, make_sample(1).final_hidden_state)
