@@ -54,4 +54,8 @@ def main(path: str, n: int, writer_id: str, stride: int, offset: int) -> None:
 
 
 if __name__ == "__main__":
+    import hsdump._part
+
+    # Commit whenever a shard is on disk (not once a second), so kills land between many commits.
+    hsdump._part.COMMIT_INTERVAL_S = 0.0
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))

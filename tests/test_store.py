@@ -334,6 +334,26 @@ async def test_async_write_runs_off_the_event_loop(tmp_path: Path) -> None:
         assert "s1" in reader
 
 
+def test_commits_are_batched_while_writing_and_flush_commits_everything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hsdump._part
+
+    monkeypatch.setattr(hsdump._part, "COMMIT_INTERVAL_S", 3600.0)
+    path, n = tmp_path / "s.zarr", 40  # ~6,000 tokens: ~47 shards of 128 tokens
+    store = open_test_store(str(path))
+    for i in range(n):
+        store.write_sync(make_sample(i))
+    reader = open_store(path, "r")
+    # At most the writer's first commit (its first shard or two): the next is an hour away,
+    # although ~45 full shards are written by now.
+    assert len(reader) < 5
+    store.flush_sync()
+    reader.refresh()
+    assert len(reader) == n
+    store.close()
+
+
 def test_refresh_shows_samples_another_writer_committed(tmp_path: Path) -> None:
     path = tmp_path / "s.zarr"
     with open_store(path, "a", writer_id="a") as store:
