@@ -294,6 +294,10 @@ def run(root: Path, n: int, hidden: int, index_samples: int, divide: int) -> Non
 
 def bench_writes(root: Path, data: list[HiddenStates], raw: int) -> None:
     timed = {}
+    # Warm-up, not timed: imports, thread pools and codecs start on a store's first write, once
+    # per process (the per-file baselines' libraries are imported already).
+    asyncio.run(write_store(root / "warm-up", data[:2]))
+    shutil.rmtree(root / "warm-up")
     drop_caches()
     t, lags = asyncio.run(write_store(root / "store", data))
     timed["hsdump store"] = (t, t + timed_sync())
