@@ -8,6 +8,7 @@ sizes through the protocol:
    the dump);
 2. store alone: the same hidden states written straight into a fresh store;
 3. end to end: ``run_extraction`` with HiddenStateClient + store;
+4. the client side alone: the same, with the samples dropped instead of stored;
 
 each rate the best of two runs, so that noise treats both sides alike, and every timed run
 starting from a settled page cache (earlier runs' stores deleted, dirty pages written back), and
@@ -208,6 +209,34 @@ async def end_to_end(
     return Run(rate=summary.tokens_done / summary.wall_s, cpu_ms=cpu), client, summary
 
 
+class Discard:
+    """A sink that drops every sample: run_extraction with it measures the client side alone."""
+
+    def __contains__(self, sample_id: object) -> bool:
+        return False
+
+    async def write(self, states: object) -> bool:
+        return True
+
+    async def flush(self) -> None:
+        return None
+
+
+async def client_alone(server: Server, batch: list[Sample], concurrency: int) -> Run:
+    """Tokens/s of HiddenStateClient + run_extraction (read and check every dump), no store."""
+    async with HiddenStateClient(
+        server.url, dump_dir=server.dump_dir, max_in_flight=concurrency
+    ) as client:
+        meter = CpuMeter(server)
+        meter.start()
+        summary = await run_extraction(
+            batch, client=client, store=Discard(), concurrency=concurrency
+        )
+        run = meter.stop(summary.tokens_done, len(batch))
+    assert summary.ok and summary.samples_done == len(batch), summary
+    return run
+
+
 async def wake_latency(kind: str, root: Path, n: int) -> list[float]:
     """Milliseconds from a dump's rename into place to the waiting task resuming."""
     watcher = InotifyWatcher(root) if kind == "inotify" else PollingWatcher(root)
@@ -272,7 +301,7 @@ async def throughput(server: Server, batch: list[Sample], work: Path) -> int:
         "| in flight | server alone tok/s | store alone tok/s | end to end tok/s | ratio | target |"
     )
     print("|---|---|---|---|---|---|")
-    stages, cpu_rows = [], []
+    stages, cpu_rows, client_rows = [], [], []
     for conc in (1, 8):
         # Best of two for every rate, as for the store alone: the same treatment on both sides.
         server_runs = []
@@ -280,6 +309,12 @@ async def throughput(server: Server, batch: list[Sample], work: Path) -> int:
             settle(work)
             server_runs.append(await server_alone(server, batch, conc))
         srv = max(server_runs, key=lambda run: run.rate)
+        settle(work)
+        client = max([await client_alone(server, batch, conc) for _ in range(2)], key=rate_of)
+        client_rows.append(
+            f"| {conc} | {srv.rate:,.0f} | {client.rate:,.0f} | {client.rate / srv.rate:.2f} "
+            f"| {client.cpu_ms - srv.cpu_ms:.1f} |"
+        )
         runs = [
             await end_to_end(server, batch, work / f"e2e-{conc}-{i}.zarr", conc) for i in range(2)
         ]
@@ -303,7 +338,19 @@ async def throughput(server: Server, batch: list[Sample], work: Path) -> int:
     print("| in flight | server alone | store alone | end to end | plumbing | CPU bound on ratio |")
     print("|---|---|---|---|---|---|")
     print("\n".join(cpu_rows))
+    print(
+        "\nThe client side alone: HiddenStateClient + run_extraction reading and checking every "
+        "dump, samples dropped instead of stored (client CPU = its core-ms per sample beyond the "
+        "server alone's):\n"
+    )
+    print("| in flight | server alone tok/s | client alone tok/s | client / server | client CPU |")
+    print("|---|---|---|---|---|")
+    print("\n".join(client_rows))
     return failures
+
+
+def rate_of(run: Run) -> float:
+    return run.rate
 
 
 def cpu_row(conc: int, srv: Run, store: Run, e2e: Run) -> str:
