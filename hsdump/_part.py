@@ -309,6 +309,10 @@ class PartWriter:
             update={"bytes_stored": stored, "open_shard": shard, "open_shard_bytes": size}
         )
 
+    def raw_bytes_awaiting_commit(self) -> int:
+        """Raw bytes of the samples that are on disk but not committed yet."""
+        return sum(p.raw_bytes for p in self._pending if p.offset + p.length <= self._flushed_to)
+
     def _commit_ready(self, *, force: bool = False) -> None:
         self._wait_inflight(block=False)
         # A commit rewrites the index chunks and zarr.json: once per COMMIT_INTERVAL_S at most

@@ -59,7 +59,8 @@ class Extractor(Protocol):
 class SampleSink(Protocol):
     """Where committed samples go (a :class:`~hsdump.HiddenStateStore`).
 
-    ``bytes_raw`` and ``bytes_stored`` attributes, when present, feed the compression ratio.
+    ``bytes_raw`` (or ``bytes_raw_written``) and ``bytes_stored`` attributes, when present, feed
+    the compression ratio.
     """
 
     def __contains__(self, sample_id: object) -> bool:
@@ -204,7 +205,11 @@ _Extracted = tuple["Sample", "HiddenStates", int]
 
 
 def _store_bytes(store: object) -> tuple[int, int]:
-    return int(getattr(store, "bytes_raw", 0)), int(getattr(store, "bytes_stored", 0))
+    """Raw and stored bytes of the same samples (a store may commit after writing)."""
+    raw: Any = getattr(store, "bytes_raw_written", None)
+    if raw is None:
+        raw = getattr(store, "bytes_raw", 0)
+    return int(raw), int(getattr(store, "bytes_stored", 0))
 
 
 def failures_path_for(store_path: str | os.PathLike[str]) -> Path:

@@ -475,6 +475,13 @@ class HiddenStateStore:
         return sum(s.bytes_stored for s in self._states())
 
     @property
+    def bytes_raw_written(self) -> int:
+        """Raw hidden-state bytes of the samples in the shards written so far (committed, or
+        waiting for the next commit): with :attr:`bytes_stored`, the compression ratio."""
+        pending = self._writer.raw_bytes_awaiting_commit() if self._writer is not None else 0
+        return self.bytes_raw + pending
+
+    @property
     def num_tokens(self) -> int:
         """Tokens of the committed samples."""
         return sum(s.num_tokens for s in self._states())

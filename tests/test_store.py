@@ -348,9 +348,14 @@ def test_commits_are_batched_while_writing_and_flush_commits_everything(
     # At most the writer's first commit (its first shard or two): the next is an hour away,
     # although ~45 full shards are written by now.
     assert len(reader) < 5
+    # The live compression ratio compares the same samples although most await their commit.
+    assert store.bytes_raw < store.bytes_raw_written
+    assert 1.0 < store.bytes_raw_written / store.bytes_stored < 1.6
     store.flush_sync()
     reader.refresh()
     assert len(reader) == n
+    total = sum(make_sample(i).nbytes for i in range(n))
+    assert store.bytes_raw_written == store.bytes_raw == total
     store.close()
 
 
