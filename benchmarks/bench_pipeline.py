@@ -327,13 +327,14 @@ async def throughput(server: Server, batch: list[Sample], work: Path) -> int:
         )
         busy = ", ".join(f"{k} {v:.2f}" for k, v in summary.stages.items())
         stages.append(f"- {conc} in flight, seconds per stage over {summary.wall_s:.2f} s: {busy}")
-        cpu_rows.append(cpu_row(conc, srv, store, e2e))
+        tokens_per_sample = sum(len(s.input_ids) for s in batch) / len(batch)
+        cpu_rows.append(cpu_row(conc, srv, store, e2e, tokens_per_sample))
     print("\n" + "\n".join(stages))
     print(
         "\nCPU core-ms per sample, both processes (plumbing = end to end - store alone - server "
-        "alone; bound = the best ratio that a client with no more plumbing than the thinnest "
-        "consumer could reach when the store is the slower side and the server's work shares "
-        "the store's cores):\n"
+        "alone; bound = the best ratio any client with no more plumbing than the thinnest "
+        "consumer could reach when the store is the slower side: the cores' time per sample at "
+        "the store-alone rate over the CPU the store and the server alone need per sample):\n"
     )
     print("| in flight | server alone | store alone | end to end | plumbing | CPU bound on ratio |")
     print("|---|---|---|---|---|---|")
@@ -353,10 +354,14 @@ def rate_of(run: Run) -> float:
     return run.rate
 
 
-def cpu_row(conc: int, srv: Run, store: Run, e2e: Run) -> str:
+def cpu_row(conc: int, srv: Run, store: Run, e2e: Run, tokens_per_sample: float) -> str:
     plumbing = e2e.cpu_ms - store.cpu_ms - srv.cpu_ms
-    # Only a run bound by the store (the slower side) is CPU-bound; else it waits on the server.
-    bound = f"{store.cpu_ms / (store.cpu_ms + srv.cpu_ms):.2f}" if store.rate < srv.rate else "-"
+    bound = "-"
+    if store.rate < srv.rate:  # else the run waits on the server, not on the CPU
+        # The cores' time per sample at the store-alone rate, over the CPU that the store and the
+        # server alone need per sample: no end-to-end run on these cores can do better.
+        cores_ms = (os.cpu_count() or 1) * tokens_per_sample / store.rate * 1e3
+        bound = f"{min(1.0, cores_ms / (store.cpu_ms + srv.cpu_ms)):.2f}"
     return (
         f"| {conc} | {srv.cpu_ms:.1f} | {store.cpu_ms:.1f} | {e2e.cpu_ms:.1f} | {plumbing:.1f} "
         f"| {bound} |"
