@@ -399,7 +399,7 @@ class HiddenStateClient:
 
 
 def _ingest_threads() -> int:
-    """Dumps read and checked at once: half the cores, 1 to 4 (4 read ~9 GB/s)."""
+    """Dumps read and checked at once: half the cores, 1 to 4 (one reads ~2 GB/s here)."""
     return max(1, min(4, (os.cpu_count() or 2) // 2))
 
 

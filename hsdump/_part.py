@@ -311,7 +311,11 @@ class PartWriter:
 
     def raw_bytes_awaiting_commit(self) -> int:
         """Raw bytes of the samples that are on disk but not committed yet."""
-        return sum(p.raw_bytes for p in self._pending if p.offset + p.length <= self._flushed_to)
+        return sum(p.raw_bytes for p in self._on_disk())
+
+    def _on_disk(self) -> list[_Pending]:
+        """Buffered samples whose rows are all written."""
+        return [p for p in self._pending if p.offset + p.length <= self._flushed_to]
 
     def _commit_ready(self, *, force: bool = False) -> None:
         self._wait_inflight(block=False)
@@ -319,7 +323,7 @@ class PartWriter:
         # (a killed writer then redoes at most that much work), and on every flush.
         if not force and time.monotonic() - self._last_commit < COMMIT_INTERVAL_S:
             return
-        ready = [p for p in self._pending if p.offset + p.length <= self._flushed_to]
+        ready = self._on_disk()
         if not ready:
             return
         self._last_commit = time.monotonic()

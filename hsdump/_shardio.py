@@ -249,9 +249,6 @@ class FlatChunks:
         return f"{self._array.path}/{self._array.metadata.encode_chunk_key((chunk,))}"
 
     def _read_chunk(self, chunk: int) -> np.ndarray | None:
-        from zarr.core.buffer import default_buffer_prototype
-        from zarr.core.sync import sync
-
         data: Any
         if self._root is not None:
             try:
@@ -259,6 +256,9 @@ class FlatChunks:
             except FileNotFoundError:
                 return None
         else:
+            from zarr.core.buffer import default_buffer_prototype
+            from zarr.core.sync import sync
+
             raw = sync(self._array.store.get(self._key(chunk), default_buffer_prototype()))
             if raw is None:
                 return None

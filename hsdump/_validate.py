@@ -152,15 +152,17 @@ def read_checked(
     """Read a dump's tensor file into fresh memory, checking each block while it is in cache.
 
     Raises unless the file holds exactly ``shape`` and every value is finite and no row (or layer
-    of a row) is all zeros. For 16-bit dtypes the result holds the raw bits as ``uint16``. One
+    of a row) is all zeros. bf16 arrives as its raw bits (``uint16``: numpy has no bf16). One
     pass: ``readinto`` a block (no page faults on a mapping), then scan it from cache.
     """
     out = np.empty(shape, storage_dtype(dtype))
     check_file_size(file, out.nbytes, shape, sample_id=sample_id, rid=rid)
-    rows = max(1, _BLOCK_BYTES // max(1, out[0].nbytes)) if out.size else 1
+    if not out.size:
+        return out
+    rows = max(1, _BLOCK_BYTES // out[0].nbytes)
     try:
         with open(file, "rb", buffering=0) as fh:
-            for start in range(0, shape[0] if out.size else 0, rows):
+            for start in range(0, shape[0], rows):
                 block = out[start : start + rows]
                 _read_exact(fh, block, file, sample_id=sample_id, rid=rid)
                 _check_block(block, start, dtype, name, sample_id=sample_id, rid=rid)
