@@ -20,10 +20,12 @@ the open shard is reloaded into the buffer, or the next full-shard write would z
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
+import os
+import threading
 import time
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -33,7 +35,8 @@ from pydantic import BaseModel, ConfigDict
 
 from hsdump._codecs import bits_dtype, hidden_compressors, small_compressors
 from hsdump._provenance import Provenance
-from hsdump._shardio import FlatChunks, ShardIO
+from hsdump._shardbuf import Piece, ShardBuffer, place_sample
+from hsdump._shardio import FlatChunks, ShardIO, codec_pool
 from hsdump._stats import LayerStats, merge_layer_lists
 
 if TYPE_CHECKING:
@@ -123,9 +126,18 @@ class _Pending:
     offset: int
     length: int
     has_mask: int
-    crc: int
+    crc: Future[int]
     raw_bytes: int
     stats: Future[list[LayerStats]]
+
+
+def shard_writers() -> int:
+    """Full shards written at once: one per four cores, 1 to 4.
+
+    Encoding a shard runs on the codec pool, but writing it is serial; with one shard in flight,
+    16 cores kept the pool busy less than half the time. Each one holds a shard buffer in RAM.
+    """
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
 
 
 class PartWriter:
@@ -138,16 +150,20 @@ class PartWriter:
         self._pending: list[_Pending] = []
         self.pending_ids: set[str] = set()
         self._pending_provenance: Provenance | None = None
-        self._buf_start: int | None = None
+        self._open: ShardBuffer | None = None
         self._next = 0
         self._flushed_to = 0
         self._arrays: dict[str, Any] = {}
-        self._spare: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        self._inflight: (
-            tuple[int, Future[int], tuple[np.ndarray, np.ndarray, np.ndarray]] | None
-        ) = None
+        self._spare: list[ShardBuffer] = []
+        self._inflight: collections.deque[tuple[int, Future[int], ShardBuffer]] = (
+            collections.deque()
+        )
+        self._max_inflight = shard_writers()
+        self._small_chunks = threading.Lock()
         self._last_commit = 0.0
-        self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hsdump-shard-writer")
+        self._flusher = ThreadPoolExecutor(
+            max_workers=self._max_inflight, thread_name_prefix="hsdump-shard-writer"
+        )
         if index.state.layout is not None:
             self._open_arrays(index.state.layout)
             self._resume(index.state.layout)
@@ -180,12 +196,19 @@ class PartWriter:
         mask: np.ndarray | None,
         stats: Future[list[LayerStats]],
     ) -> None:
-        """Place one sample in the shard buffer; commit whatever is now fully on disk."""
+        """Reserve rows for one sample and place them on the codec pool; commit what is on disk.
+
+        The rows are copied and checksummed by a job while this thread takes the next sample; a
+        shard is written once its jobs are done.
+        """
         offset, length = self._next, aux.shape[0]
-        crc = self._place(aux, final, ids, mask)
-        crc = zlib.crc32(ids.data, crc)
-        if mask is not None:
-            crc = zlib.crc32(mask.data, crc)
+        pieces, full = self._reserve(length, ids, mask)
+        crc = codec_pool().submit(place_sample, pieces, aux, final, ids, mask)
+        for shard in {id(p.shard): p.shard for p in pieces}.values():
+            shard.placing.append(crc)
+        for shard in full:
+            self._flush_shard(shard, full=True)
+        self._pad_after(offset + length)
         raw = aux.nbytes + final.nbytes
         self._pending.append(
             _Pending(sample_id, offset, length, int(mask is not None), crc, raw, stats)
@@ -193,61 +216,62 @@ class PartWriter:
         self.pending_ids.add(sample_id)
         self._commit_ready()
 
-    def _place(
-        self, aux: np.ndarray, final: np.ndarray, ids: np.ndarray, mask: np.ndarray | None
-    ) -> int:
-        layout = self._layout
-        shard, k_aux = layout.shard_tokens, aux.shape[1]
-        length, pos, crc = aux.shape[0], 0, 0
+    def _reserve(
+        self, length: int, ids: np.ndarray, mask: np.ndarray | None
+    ) -> tuple[list[Piece], list[ShardBuffer]]:
+        """The pieces of the next ``length`` rows (ids and mask set), and the shards they fill."""
+        shard_tokens = self._layout.shard_tokens
+        pieces, full, pos = [], [], 0
         while pos < length:
             cur = self._next + pos
-            start = self._open_buffer(cur)
-            row, take = cur - start, min(length - pos, start + shard - cur)
-            buf = self._buf
-            buf[row : row + take, :k_aux] = aux[pos : pos + take]
-            buf[row : row + take, k_aux] = final[pos : pos + take]
-            crc = zlib.crc32(buf[row : row + take].data, crc)
-            self._ids[row : row + take] = ids[pos : pos + take]
-            self._mask[row : row + take] = 1 if mask is None else mask[pos : pos + take]
+            shard = self._open_shard(cur)
+            row, take = cur - shard.start, min(length - pos, shard.start + shard_tokens - cur)
+            shard.ids[row : row + take] = ids[pos : pos + take]
+            shard.mask[row : row + take] = 1 if mask is None else mask[pos : pos + take]
+            pieces.append(Piece(shard, row, pos, take))
             pos += take
-            if row + take == shard:
-                self._flush_buffer(full=True)
-        self._pad_after(self._next + length)
-        return crc
+            if row + take == shard_tokens:
+                full.append(shard)
+                self._open = None
+        return pieces, full
 
     def _pad_after(self, end: int) -> None:
         ct = self._layout.chunk_tokens
         padded = -(-end // ct) * ct
-        if padded > end and self._buf_start is not None:
+        shard = self._open
+        if padded > end and shard is not None:
             # Padding rows are written as zeros (they compress to nothing) so no stale bytes remain.
-            row = end - self._buf_start
-            self._buf[row : row + padded - end] = 0
-            self._ids[row : row + padded - end] = 0
-            self._mask[row : row + padded - end] = 0
-            if padded - self._buf_start == self._layout.shard_tokens:
-                self._flush_buffer(full=True)
+            row = end - shard.start
+            shard.rows[row : row + padded - end] = 0
+            shard.ids[row : row + padded - end] = 0
+            shard.mask[row : row + padded - end] = 0
+            if padded - shard.start == self._layout.shard_tokens:
+                self._open = None
+                self._flush_shard(shard, full=True)
         self._next = padded
 
-    def _open_buffer(self, cur: int) -> int:
-        layout = self._layout
-        if self._buf_start is None:
-            if self._spare:
-                self._buf, self._ids, self._mask = self._spare.pop()
-            else:
-                shape = (layout.shard_tokens, layout.layers, layout.hidden_size)
-                self._buf = np.empty(shape, bits_dtype(layout.dtype))
-                self._ids = np.empty(layout.shard_tokens, np.int32)
-                self._mask = np.empty(layout.shard_tokens, np.uint8)
-            self._buf_start = cur - cur % layout.shard_tokens
-        return self._buf_start
+    def _open_shard(self, cur: int) -> ShardBuffer:
+        # A sample that straddles a shard boundary opens the next buffer before the full one is
+        # handed to the writer: at most three buffers exist (filling, full, being written).
+        if self._open is None:
+            layout = self._layout
+            self._open = (
+                self._spare.pop()
+                if self._spare
+                else ShardBuffer.allocate(
+                    layout.shard_tokens, layout.layers, layout.hidden_size, bits_dtype(layout.dtype)
+                )
+            )
+            self._open.start = cur - cur % layout.shard_tokens
+        return self._open
 
     # -- writing and committing ----------------------------------------------------------------
 
     def flush(self) -> None:
         """Write the partial shard and commit every buffered sample."""
         self._wait_inflight()
-        if self._buf_start is not None and self._next > self._flushed_to:
-            self._flush_buffer(full=False)
+        if self._open is not None and self._next > self._flushed_to:
+            self._flush_shard(self._open, full=False)
         self._commit_ready(force=True)
 
     def close(self) -> None:
@@ -261,39 +285,36 @@ class PartWriter:
         """Stop the background writer without writing anything more (after a failure)."""
         self._flusher.shutdown(wait=True, cancel_futures=True)
 
-    def _flush_buffer(self, *, full: bool) -> None:
-        # One full shard is written in the background while the next one fills (double
-        # buffering); a partial shard (flush/close) is written before returning.
-        self._wait_inflight()
-        start = self._buf_start
-        assert start is not None
-        end = start + self._layout.shard_tokens if full else self._next
+    def _flush_shard(self, shard: ShardBuffer, *, full: bool) -> None:
+        # Full shards are written in the background while the next ones fill, up to
+        # ``shard_writers()`` at once; a partial shard (flush/close) is written before returning.
+        self._wait_inflight(keep=self._max_inflight - 1 if full else 0)
+        end = shard.start + self._layout.shard_tokens if full else self._next
         self._ensure_capacity(end)
-        buffers = (self._buf, self._ids, self._mask)
-        job = functools.partial(self._write_rows, start, end, *buffers)
+        job = functools.partial(self._write_rows, shard, end)
         if full:
-            self._inflight = (end, self._flusher.submit(job), buffers)
-            self._buf_start = None
+            self._inflight.append((end, self._flusher.submit(job), shard))
         else:
             self._apply_flush(end, job())
 
-    def _write_rows(
-        self, start: int, end: int, buf: np.ndarray, ids: np.ndarray, mask: np.ndarray
-    ) -> int:
-        size = self._shards.write(start // self._layout.shard_tokens, buf[: end - start])
-        self._ids_chunks.write(start, ids[: end - start])
-        self._mask_chunks.write(start, mask[: end - start])
+    def _write_rows(self, shard: ShardBuffer, end: int) -> int:
+        shard.wait_placed()
+        start, n = shard.start, end - shard.start
+        size = self._shards.write(start // self._layout.shard_tokens, shard.rows[:n])
+        with self._small_chunks:  # token-id and mask chunks span shards: read-modify-write
+            self._ids_chunks.write(start, shard.ids[:n])
+            self._mask_chunks.write(start, shard.mask[:n])
         return size
 
-    def _wait_inflight(self, *, block: bool = True) -> None:
-        if self._inflight is None:
-            return
-        end, future, buffers = self._inflight
-        if not block and not future.done():
-            return
-        self._inflight = None
-        self._spare.append(buffers)
-        self._apply_flush(end, future.result())
+    def _wait_inflight(self, *, keep: int = 0, block: bool = True) -> None:
+        """Account written shards in order, waiting until at most ``keep`` remain in flight."""
+        while self._inflight:
+            end, future, shard = self._inflight[0]
+            if not future.done() and (not block or len(self._inflight) <= keep):
+                return
+            self._inflight.popleft()
+            self._spare.append(shard)
+            self._apply_flush(end, future.result())
 
     def _apply_flush(self, end: int, size: int) -> None:
         shard_tokens = self._layout.shard_tokens
@@ -329,7 +350,7 @@ class PartWriter:
         self._last_commit = time.monotonic()
         n0, state = self.state.n_committed, self.state
         n1 = n0 + len(ready)
-        rows = np.array([[p.offset, p.length, p.has_mask, p.crc] for p in ready], np.int64)
+        rows = np.array([[p.offset, p.length, p.has_mask, p.crc.result()] for p in ready], np.int64)
         self._ensure_index_capacity(n1)
         self._arrays["rows"][n0:n1] = rows
         self._arrays["sample_id"][n0:n1] = np.array([p.sample_id for p in ready], dtype=object)
@@ -441,10 +462,11 @@ class PartWriter:
         head = self._next % shard
         if head:
             # The next write of this shard rewrites it whole: keep its committed head.
-            start = self._open_buffer(self._next)
-            self._buf[:head] = self._shards.read(start, self._next, self._buf.dtype)
-            self._ids[:head] = self._arrays["input_ids"][start : self._next]
-            self._mask[:head] = self._arrays["loss_mask"][start : self._next]
+            buf = self._open_shard(self._next)
+            start = buf.start
+            buf.rows[:head] = self._shards.read(start, self._next, buf.rows.dtype)
+            buf.ids[:head] = self._arrays["input_ids"][start : self._next]
+            buf.mask[:head] = self._arrays["loss_mask"][start : self._next]
         self._drop_stray_chunks(-(-self._next // shard))
 
     def _drop_stray_chunks(self, first_shard: int) -> None:

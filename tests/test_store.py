@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import anyio
 import numpy as np
@@ -422,3 +423,34 @@ def test_a_shard_write_that_fails_midway_leaves_no_file_and_no_temp_file(
         store.write_sync(make_sample(1))
     with open_store(tmp_path / "s.zarr", "r") as store:
         assert torch.equal(store["s1"].final_hidden_state, make_sample(1).final_hidden_state)
+
+
+@pytest.mark.parametrize("writers", [1, 3])
+def test_samples_straddling_shards_round_trip_with_several_shards_written_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writers: int
+) -> None:
+    """Rows are placed on the codec pool; each shard is written only once all of them landed."""
+    import time
+
+    import hsdump._part
+
+    real_place = hsdump._part.place_sample
+
+    def slow_place(*args: Any) -> int:
+        time.sleep(0.01)  # the shard writer would otherwise find the rows unwritten
+        return real_place(*args)
+
+    monkeypatch.setattr(hsdump._part, "place_sample", slow_place)
+    monkeypatch.setattr(hsdump._part, "shard_writers", lambda: writers)
+    path = str(tmp_path / "s.zarr")
+    with open_test_store(path) as store:  # 128-token shards: most samples straddle two or more
+        for i in range(30):
+            store.write_sync(make_sample(i))
+    with open_test_store(path) as store:  # resumes inside a partial shard
+        for i in range(30, 45):
+            store.write_sync(make_sample(i))
+    with open_store(path, "r") as store:
+        assert len(store) == 45
+        for i in range(45):
+            _assert_same(store[f"s{i}"], make_sample(i))
+        assert store.verify().clean
