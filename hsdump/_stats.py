@@ -86,28 +86,30 @@ def array_stats(bits: np.ndarray, dtype: str, layers: list[int | str]) -> list[L
     """Statistics per layer (axis 1) of stored float bits ``[T, L, H]`` of logical ``dtype``.
 
     numpy, in blocks of rows: single-threaded, so it does not fight the codec threads for cores.
+    Finite blocks add to running per-layer sums and ``LayerStats`` are built once at the end:
+    building and merging them per block held the GIL for ~100 pydantic models per sample.
     """
-    total = [LayerStats(layer=name) for name in layers]
+    n_layers = bits.shape[1]
+    sums, squares, peak = np.zeros(n_layers), np.zeros(n_layers), np.zeros(n_layers)
+    finite_rows = 0
+    slow: list[LayerStats] = []
     for start in range(0, bits.shape[0], _BLOCK_ROWS):
         block = bits[start : start + _BLOCK_ROWS]
         values = _as_float32(block, dtype)
         with np.errstate(over="ignore", invalid="ignore"):
-            sums = values.sum(-1)
-            squares = np.einsum("tlh,tlh->tl", values, values)
+            block_sums = values.sum(-1)
+            block_squares = np.einsum("tlh,tlh->tl", values, values)
         # A NaN or Inf (or float32 overflow of a square) shows in the row sums: exact path.
-        if np.isfinite(sums).all() and np.isfinite(squares).all():
-            part = _block_stats(
-                values.shape,
-                sums.sum(0, dtype=np.float64),
-                squares.sum(0, dtype=np.float64),
-                _max_abs(block, values, dtype),
-                None,
-            )
+        if np.isfinite(block_sums).all() and np.isfinite(block_squares).all():
+            sums += block_sums.sum(0, dtype=np.float64)
+            squares += block_squares.sum(0, dtype=np.float64)
+            np.maximum(peak, _max_abs(block, values, dtype), out=peak)
+            finite_rows += block.shape[0]
         else:
-            part = _nonfinite_block_stats(values)
-        named = [p.model_copy(update={"layer": n}) for p, n in zip(part, layers, strict=True)]
-        total = merge_layer_lists(total, named)
-    return total
+            slow = merge_layer_lists(slow, _nonfinite_block_stats(values))
+    shape = (finite_rows, n_layers, bits.shape[2])
+    total = merge_layer_lists(_block_stats(shape, sums, squares, peak, None), slow)
+    return [p.model_copy(update={"layer": n}) for p, n in zip(total, layers, strict=True)]
 
 
 def sample_stats(

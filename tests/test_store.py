@@ -274,6 +274,8 @@ def test_stats_match_numpy_including_non_finite_values() -> None:
     samples[1].aux_hidden_states[3, 0, :4] = torch.tensor(
         [float("nan"), float("inf"), -float("inf"), 1e30]
     )
+    # A sample of 292 rows: a finite block, then a block with a NaN (merged per sample).
+    samples[3].final_hidden_state[280, 5] = float("nan")
     with open_store(MemoryStore(), "a") as store:
         for s in samples:
             store.write_sync(s)
