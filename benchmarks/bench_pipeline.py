@@ -332,12 +332,16 @@ async def throughput(server: Server, batch: list[Sample], work: Path) -> int:
     print("\n" + "\n".join(stages))
     print(
         "\nCPU core-ms per sample, both processes (plumbing = end to end - store alone - server "
-        "alone; bound = the best ratio any client with no more plumbing than the thinnest "
-        "consumer could reach when the store is the slower side: the cores' time per sample at "
-        "the store-alone rate over the CPU the store and the server alone need per sample):\n"
+        "alone), and cores busy: CPU seconds per wall second. Bound = the ratio an end-to-end "
+        "run reaches if it keeps the cores as busy as the store alone did and adds nothing to "
+        "the CPU that the store and the server alone need (store / (store + server)); it applies "
+        "when the store alone keeps every core busy:\n"
     )
-    print("| in flight | server alone | store alone | end to end | plumbing | CPU bound on ratio |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| in flight | server alone | store alone | end to end | plumbing "
+        "| cores busy: store alone / end to end | bound |"
+    )
+    print("|---|---|---|---|---|---|---|")
     print("\n".join(cpu_rows))
     print(
         "\nThe client side alone: HiddenStateClient + run_extraction reading and checking every "
@@ -356,15 +360,14 @@ def rate_of(run: Run) -> float:
 
 def cpu_row(conc: int, srv: Run, store: Run, e2e: Run, tokens_per_sample: float) -> str:
     plumbing = e2e.cpu_ms - store.cpu_ms - srv.cpu_ms
+    busy_store = store.cpu_ms * store.rate / tokens_per_sample / 1e3
+    busy_e2e = e2e.cpu_ms * e2e.rate / tokens_per_sample / 1e3
     bound = "-"
     if store.rate < srv.rate:  # else the run waits on the server, not on the CPU
-        # The cores' time per sample at the store-alone rate, over the CPU that the store and the
-        # server alone need per sample: no end-to-end run on these cores can do better.
-        cores_ms = (os.cpu_count() or 1) * tokens_per_sample / store.rate * 1e3
-        bound = f"{min(1.0, cores_ms / (store.cpu_ms + srv.cpu_ms)):.2f}"
+        bound = f"{store.cpu_ms / (store.cpu_ms + srv.cpu_ms):.2f}"
     return (
         f"| {conc} | {srv.cpu_ms:.1f} | {store.cpu_ms:.1f} | {e2e.cpu_ms:.1f} | {plumbing:.1f} "
-        f"| {bound} |"
+        f"| {busy_store:.2f} / {busy_e2e:.2f} of {os.cpu_count()} | {bound} |"
     )
 
 
