@@ -52,7 +52,10 @@ def open_root(path: Any, mode: Mode) -> zarr.Group:
             raise StoreError(
                 f"no store at {where}: check the path, or write samples first"
             ) from exc
-        return _create_root(store, where)
+        created = _create_root(store, where)
+        if created is not None:
+            return created
+        root = zarr.open_group(store=store, mode="r")  # another writer created it meanwhile
     except OSError as exc:
         raise os_error(exc, where) from exc
     if ROOT_KEY not in root.attrs:
@@ -65,13 +68,16 @@ def open_root(path: Any, mode: Mode) -> zarr.Group:
     return root if mode == "r" else zarr.open_group(store=store, mode="r+")
 
 
-def _create_root(store: Any, where: str) -> zarr.Group:
+def _create_root(store: Any, where: str) -> zarr.Group | None:
+    """Create the store's root group; None if another writer created it since it was missing."""
     import zarr
 
     try:
         return zarr.open_group(
             store=store, mode="a", attributes={ROOT_KEY: {"format": "hsdump-store", "version": 1}}
         )
+    except zarr.errors.ContainsGroupError:
+        return None
     except OSError as exc:
         raise os_error(exc, where) from exc
 

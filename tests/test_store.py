@@ -456,3 +456,27 @@ def test_samples_straddling_shards_round_trip_with_several_shards_written_at_onc
         for i in range(45):
             _assert_same(store[f"s{i}"], make_sample(i))
         assert store.verify().clean
+
+
+def test_a_store_another_writer_creates_while_this_one_opens_is_joined(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two writers starting together: the one whose create finds the root already made joins it."""
+    import zarr
+    import zarr.errors
+
+    path, real_open = tmp_path / "s.zarr", zarr.open_group
+
+    def lose_the_race(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("attributes"):  # this writer's create: the first writer got there first
+            monkeypatch.setattr(zarr, "open_group", real_open)
+            with open_store(path, "a", writer_id="first") as first:
+                first.write_sync(make_sample(1))
+            raise zarr.errors.ContainsGroupError(str(path))
+        return real_open(*args, **kwargs)
+
+    monkeypatch.setattr(zarr, "open_group", lose_the_race)
+    with open_store(path, "a", writer_id="second") as second:
+        second.write_sync(make_sample(2))
+    with open_store(path, "r") as store:
+        assert sorted(store) == ["s1", "s2"]
