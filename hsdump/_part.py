@@ -204,8 +204,8 @@ class PartWriter:
         offset, length = self._next, aux.shape[0]
         pieces, full = self._reserve(length, ids, mask)
         crc = codec_pool().submit(place_sample, pieces, aux, final, ids, mask)
-        for shard in {id(p.shard): p.shard for p in pieces}.values():
-            shard.placing.append(crc)
+        for piece in pieces:  # one piece per shard: a sample's pieces are consecutive shards
+            piece.shard.placing.append(crc)
         for shard in full:
             self._flush_shard(shard, full=True)
         self._pad_after(offset + length)
@@ -252,7 +252,8 @@ class PartWriter:
 
     def _open_shard(self, cur: int) -> ShardBuffer:
         # A sample that straddles a shard boundary opens the next buffer before the full one is
-        # handed to the writer: at most three buffers exist (filling, full, being written).
+        # handed to the writers: at most shard_writers() + 2 buffers exist (filling, full, being
+        # written).
         if self._open is None:
             layout = self._layout
             self._open = (
