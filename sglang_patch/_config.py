@@ -12,7 +12,7 @@ from pathlib import Path
 
 from hsdump._protocol import DEFAULT_RID_PREFIX, ENV_DUMP_DIR
 
-__all__ = ["PluginConfig", "dump_enabled", "load_config"]
+__all__ = ["PluginConfig", "default_write_threads", "dump_enabled", "load_config"]
 
 _MIB = 1 << 20
 
@@ -35,6 +35,9 @@ class PluginConfig:
             (``HSDUMP_SPACE_TIMEOUT_S``).
         partial_ttl_s: A partly assembled request not seen for this long is dropped, e.g. after an
             abort (``HSDUMP_PARTIAL_TTL_S``).
+        write_threads: Threads that write one batch's rows into the dump files at once
+            (``HSDUMP_WRITE_THREADS``; default: half the cores, 2 to 8). One thread writes tmpfs at
+            ~2.5 GB/s, less than one H200 prefills at H=7168.
     """
 
     dump_dir: Path
@@ -45,6 +48,7 @@ class PluginConfig:
     min_free_bytes: int = 1024 * _MIB
     space_timeout_s: float = 600.0
     partial_ttl_s: float = 600.0
+    write_threads: int = 2
 
 
 def dump_enabled() -> bool:
@@ -66,7 +70,13 @@ def load_config() -> PluginConfig:
         min_free_bytes=_number("HSDUMP_MIN_FREE_MB", 1024) * _MIB,
         space_timeout_s=float(_number("HSDUMP_SPACE_TIMEOUT_S", 600)),
         partial_ttl_s=float(_number("HSDUMP_PARTIAL_TTL_S", 600)),
+        write_threads=_number("HSDUMP_WRITE_THREADS", default_write_threads()),
     )
+
+
+def default_write_threads() -> int:
+    """Half the cores, 2 to 8: tmpfs writes scale to ~8 threads (18.7 GB/s on an H200 host)."""
+    return max(2, min(8, (os.cpu_count() or 2) // 2))
 
 
 def _layer_ids(text: str) -> tuple[int, ...] | None:

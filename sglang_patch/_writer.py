@@ -1,8 +1,11 @@
 """The background thread that turns staged pieces into published dumps.
 
-One thread per writing rank. It waits on each group's CUDA event (which releases the GIL), writes
-the rows at their offsets with :class:`hsdump._protocol.DumpWriter`, and publishes a request once
-its rows cover exactly ``[0, T)``. Before it starts a request it waits for room in the dump root
+One thread per writing rank. It waits on each group's CUDA event (which releases the GIL), has a
+small pool of threads write the group's rows at their offsets with
+:class:`hsdump._protocol.DumpWriter` (``pwrite`` releases the GIL, so the copies into tmpfs run in
+parallel: one thread writes ~2.5 GB/s, eight ~18 GB/s), and publishes a request once its rows
+cover exactly ``[0, T)``. Opening, failing and publishing stay on the one thread, in order.
+Before it starts a request it waits for room in the dump root
 (bytes pending and free space), so a slow or absent client throttles the server instead of
 filling ``/dev/shm``.
 """
@@ -15,6 +18,7 @@ import queue
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,10 @@ from sglang_patch._staging import Piece
 __all__ = ["DumpFormat", "WriterThread"]
 
 logger = logging.getLogger(__name__)
+
+# Rows per pool job: large enough that a job's overhead is noise, small enough that one request's
+# rows (117 MB for 2048 tokens at H=7168) spread over the pool.
+_JOB_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,7 @@ class WriterThread:
         self._published: deque[tuple[Path, int]] = deque()
         self._published_bytes = 0
         self._thread = threading.Thread(target=self._run, name="hsdump-writer", daemon=True)
+        self._pool = ThreadPoolExecutor(config.write_threads, thread_name_prefix="hsdump-write")
 
     def start(self) -> WriterThread:
         """Start the thread; returns self."""
@@ -102,6 +111,7 @@ class WriterThread:
         """Finish the queue, then end the thread."""
         self._queue.put(("stop", None))
         self._thread.join(timeout_s)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _run(self) -> None:
         while True:
@@ -115,13 +125,7 @@ class WriterThread:
 
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "rows":
-            event, pieces = payload
-            event.synchronize()
-            for piece in pieces:
-                try:
-                    self._write(piece)
-                finally:
-                    self._release(piece.block)
+            self._write_group(*payload)
         elif kind == "error":
             self._fail(*payload)
         elif kind == "abort":
@@ -129,22 +133,52 @@ class WriterThread:
         elif kind == "barrier":
             payload.set()
 
-    def _write(self, piece: Piece) -> None:
+    def _write_group(self, event: Any, pieces: list[Piece]) -> None:
+        """Write a group's pieces on the pool, then account for them in order."""
+        try:
+            event.synchronize()
+            jobs = [(piece, self._assembly_for(piece)) for piece in pieces]
+            writes = [(p, a, self._submit_writes(p, a)) for p, a in jobs if a is not None]
+            wait([future for _, _, futures in writes for future in futures])
+            for piece, assembly, futures in writes:
+                self._settle(piece, assembly, futures)
+        finally:
+            for piece in pieces:
+                self._release(piece.block)
+
+    def _assembly_for(self, piece: Piece) -> _Assembly | None:
         if piece.first:
             self._drop(piece.rid)
             if piece.rid in self._failed:
                 self._failed.remove(piece.rid)
             if not self._open_assembly(piece):
-                return
-        assembly = self._open.get(piece.rid)
-        if assembly is None:
-            return  # an earlier piece of this request failed and published an error
-        try:
-            assembly.writer.write_rows(piece.start, piece.aux.numpy(), piece.final.numpy())
-        except (OSError, ValueError) as exc:
-            self._fail(
-                piece.rid, f"writing rows [{piece.start}, {piece.start + piece.n}) failed: {exc}"
+                return None
+        return self._open.get(piece.rid)  # None: an earlier piece failed and published an error
+
+    def _submit_writes(self, piece: Piece, assembly: _Assembly) -> list[Future[None]]:
+        aux, final = piece.aux.numpy(), piece.final.numpy()
+        aux_row, final_row = len(aux) // piece.n, len(final) // piece.n
+        step = max(1, _JOB_BYTES // (aux_row + final_row))
+        return [
+            self._pool.submit(
+                assembly.writer.write_rows,
+                piece.start + row,
+                aux[row * aux_row : (row + step) * aux_row],
+                final[row * final_row : (row + step) * final_row],
             )
+            for row in range(0, piece.n, step)
+        ]
+
+    def _settle(self, piece: Piece, assembly: _Assembly, futures: list[Future[None]]) -> None:
+        if self._open.get(piece.rid) is not assembly:
+            return  # an earlier piece of this group failed
+        errors = [exc for exc in (f.exception() for f in futures) if exc is not None]
+        for exc in errors:
+            if not isinstance(exc, OSError | ValueError):
+                raise exc
+        if errors:
+            end = piece.start + piece.n
+            self._fail(piece.rid, f"writing rows [{piece.start}, {end}) failed: {errors[0]}")
             return
         assembly.pieces += 1
         if assembly.writer.coverage_complete():

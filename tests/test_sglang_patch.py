@@ -215,6 +215,27 @@ def test_a_pinned_buffer_smaller_than_a_request_stages_it_in_pieces(dumper, tmp_
     assert read_dump(request_dir(tmp_path, req.rid)).meta.extra["pieces"] > 1
 
 
+def test_a_request_larger_than_one_write_job_lands_whole_from_several_threads(
+    dumper, tmp_path
+) -> None:
+    n = (17 << 20) // FMT.row_bytes  # just over one 16 MiB pool job
+    d, req, full = dumper(pinned_bytes=128 << 20, write_threads=4), Req("hsdump-a", n), rows(n)
+    forward(d, batch([req], [n], [0]), full)
+    assert_dump(tmp_path, req, full)
+
+
+def test_a_row_write_that_fails_on_the_pool_publishes_an_error(dumper, tmp_path, monkeypatch):
+    def full_disk(self, start, aux, final) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("hsdump._protocol.DumpWriter.write_rows", full_disk)
+    d, req = dumper(), Req("hsdump-a", 4)
+    forward(d, batch([req], [4], [0]), rows(4))
+    with pytest.raises(DumpFailed, match="No space left"):
+        read_dump(request_dir(tmp_path, req.rid))
+    assert [p.name for p in tmp_path.iterdir()] == ["req_hsdump-a"]
+
+
 def test_hidden_states_of_the_wrong_width_publish_an_error(dumper, tmp_path: Path) -> None:
     d, req = dumper(), Req("hsdump-a", 4)
     forward(d, batch([req], [4], [0]), torch.zeros(4, K * H))
@@ -286,8 +307,10 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path: Path) -> None
     monkeypatch.setenv("HSDUMP_DUMP_DIR", str(tmp_path))
     monkeypatch.setenv("HSDUMP_LAYER_IDS", "2, 30,58")
     monkeypatch.setenv("HSDUMP_PINNED_MB", "64")
+    monkeypatch.setenv("HSDUMP_WRITE_THREADS", "3")
     config = load_config()
     assert config.layer_ids == (2, 30, 58) and config.pinned_bytes == 64 << 20
+    assert config.write_threads == 3
     assert config.dump_dir == tmp_path
 
 
@@ -299,6 +322,7 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path: Path) -> None
         ("HSDUMP_LAYER_IDS", "5,3", "increasing"),
         ("HSDUMP_PINNED_MB", "lots", "not an integer"),
         ("HSDUMP_MAX_PENDING_MB", "-1", "positive"),
+        ("HSDUMP_WRITE_THREADS", "0", "positive"),
     ],
 )
 def test_malformed_settings_name_the_variable(monkeypatch, tmp_path, name, value, message) -> None:
