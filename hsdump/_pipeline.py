@@ -20,6 +20,7 @@ import logging
 import math
 import os
 import random
+import resource
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -150,6 +151,9 @@ class ExtractionSummary:
             the largest one is the bottleneck.
         started: ``time.monotonic()`` at the start.
         finished: ``time.monotonic()`` at the end, or None while running.
+        workers: Processes that extracted and stored (1: this one).
+        cpu_s: CPU seconds those processes used (``cores_busy`` divides it by the wall time).
+        peak_rss_bytes: Sum of their peak resident memory.
     """
 
     samples_total: int = 0
@@ -166,6 +170,9 @@ class ExtractionSummary:
     stages: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None
+    workers: int = 1
+    cpu_s: float = 0.0
+    peak_rss_bytes: int = 0
 
     @property
     def wall_s(self) -> float:
@@ -181,6 +188,21 @@ class ExtractionSummary:
     def bytes_per_s(self) -> float:
         """Raw hidden-state bytes committed per second."""
         return self.bytes_raw / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def cores_busy(self) -> float:
+        """Cores the extracting processes kept busy on average."""
+        return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    def stage_rates(self) -> dict[str, tuple[float, float]]:
+        """Per stage: GB/s of raw hidden states while the stage was busy, and its occupancy (how
+        many samples were in that stage on average). The stage with the highest occupancy per
+        unit of parallelism it can run with is the limit."""
+        rates = {}
+        for name, seconds in self.stages.items():
+            rate = self.bytes_raw / seconds / 1e9 if seconds > 0 else 0.0
+            rates[name] = (rate, seconds / self.wall_s if self.wall_s > 0 else 0.0)
+        return rates
 
     @property
     def ratio(self) -> float:
@@ -204,12 +226,39 @@ ProgressCallback = Callable[[ExtractionSummary], None]
 _Extracted = tuple["Sample", "HiddenStates", int]
 
 
+class _Source:
+    """The samples the extraction workers share: a planned list, or a stream fed from elsewhere
+    (the multi-process runner's queue), which ends when its sending side closes."""
+
+    def __init__(self, samples: Iterator[Sample] | MemoryObjectReceiveStream[Sample]):
+        self._samples = samples
+
+    async def next(self) -> Sample | None:
+        if isinstance(self._samples, MemoryObjectReceiveStream):
+            try:
+                return await self._samples.receive()
+            except (anyio.EndOfStream, anyio.ClosedResourceError):
+                return None
+        return next(self._samples, None)
+
+    def left(self) -> bool:
+        """Whether samples were left unextracted (fail-fast stopped the run)."""
+        if isinstance(self._samples, MemoryObjectReceiveStream):
+            return self._samples.statistics().current_buffer_used > 0
+        return any(True for _ in self._samples)
+
+
 def _store_bytes(store: object) -> tuple[int, int]:
     """Raw and stored bytes of the same samples (a store may commit after writing)."""
     raw: Any = getattr(store, "bytes_raw_written", None)
     if raw is None:
         raw = getattr(store, "bytes_raw", 0)
     return int(raw), int(getattr(store, "bytes_stored", 0))
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def failures_path_for(store_path: str | os.PathLike[str]) -> Path:
@@ -265,6 +314,7 @@ class _Run:
         self.log: _FailureLog = options["log"]
         self.summary: ExtractionSummary = options["summary"]
         self._write_lock = anyio.Lock()
+        self._cpu_start = time.process_time()
         self._store_start = _store_bytes(store)
         stats = getattr(client, "stats", None)
         self._client_start = {
@@ -281,12 +331,12 @@ class _Run:
 
     async def extractor(
         self,
-        queue: Iterator[Sample],
+        source: _Source,
         out: MemoryObjectSendStream[_Extracted],
         scope: anyio.CancelScope,
     ) -> None:
         async with out:
-            for sample in queue:
+            while (sample := await source.next()) is not None:
                 extracted = await self.attempts(sample)
                 if extracted is not None:
                     await out.send(extracted)
@@ -370,14 +420,19 @@ class _Run:
             if value is not None:
                 self.summary.stages[name] = value - self._client_start.get(name, 0.0)
 
-    def _report(self) -> None:
+    def _report_counters(self) -> None:
         self._client_stages()
+        self.summary.cpu_s = time.process_time() - self._cpu_start
+        self.summary.peak_rss_bytes = peak_rss_bytes()
+
+    def _report(self) -> None:
+        self._report_counters()
         if self.progress is not None:
             self.progress(self.summary)
 
 
 async def run_extraction(
-    samples: Sequence[Sample],
+    samples: Sequence[Sample] | MemoryObjectReceiveStream[Sample],
     *,
     client: Extractor,
     store: SampleSink,
@@ -393,7 +448,8 @@ async def run_extraction(
     """Extract every sample the store does not hold yet, and commit it.
 
     Args:
-        samples: The samples, in order.
+        samples: The samples, in order; or a stream of samples that ends when its sender closes
+            (then nothing is planned: the sender skips committed samples and counts totals).
         client: An open :class:`~hsdump.HiddenStateClient` (or anything with its ``extract``).
         store: An open store in write mode.
         retries: Retries of a sample after a transient failure (a fresh request each time).
@@ -425,27 +481,32 @@ async def run_extraction(
     return summary
 
 
-async def _drive(run: _Run, samples: Sequence[Sample], concurrency: int) -> None:
+async def _drive(
+    run: _Run, samples: Sequence[Sample] | MemoryObjectReceiveStream[Sample], concurrency: int
+) -> None:
     summary = run.summary
-    queue = iter(run.plan(samples))
+    if isinstance(samples, MemoryObjectReceiveStream):
+        source, workers = _Source(samples), concurrency + 1
+    else:
+        source = _Source(iter(run.plan(samples)))
+        workers = min(concurrency + 1, max(summary.samples_total, 1))
     run._report()
     if summary.failures and run.fail_fast:
         summary.finished = time.monotonic()
         return
-    workers = min(concurrency + 1, max(summary.samples_total, 1))
     send, receive = anyio.create_memory_object_stream[_Extracted](max_buffer_size=1)
     try:
         async with anyio.create_task_group() as group:
             group.start_soon(run.writer, receive, group.cancel_scope)
             async with send:
                 for _ in range(workers):
-                    group.start_soon(run.extractor, queue, send.clone(), group.cancel_scope)
+                    group.start_soon(run.extractor, source, send.clone(), group.cancel_scope)
     except BaseException:
         summary.interrupted = True
         raise
     finally:
         await run.flush()
-        run._client_stages()
+        run._report_counters()
         summary.finished = time.monotonic()
-    if any(True for _ in queue):
+    if source.left():
         summary.interrupted = True  # fail-fast stopped the run with samples left
