@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import operator
+import reprlib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +25,8 @@ class Sample:
     Args:
         id: A unique sample ID (the key in the store).
         input_ids: The token ids, as a non-empty sequence of non-negative ints.
-        loss_mask: Optional per-token mask (0/1), the same length as ``input_ids``.
+        loss_mask: Optional per-token mask of 0/1 (or booleans), the same length as
+            ``input_ids``; any other value is an :class:`~hsdump.InputError`.
     """
 
     id: str
@@ -45,13 +48,37 @@ class Sample:
             )
         object.__setattr__(self, "input_ids", ids)
         if self.loss_mask is not None:
-            mask = [int(m) for m in self.loss_mask]
+            mask = _mask_values(self.loss_mask, self.id)
             if len(mask) != len(ids):
                 raise InputError(
                     f"loss_mask has {len(mask)} entries, input_ids has {len(ids)}: they must match",
                     sample_id=self.id,
                 )
             object.__setattr__(self, "loss_mask", mask)
+
+
+def _mask_values(values: object, sample_id: str) -> list[int]:
+    """``values`` as a list of 0/1 ints; booleans count as 0/1, anything else is refused."""
+    # A string iterates as characters ("010" would pass as [0, 1, 0]): refuse it as a whole.
+    if isinstance(values, str | bytes | Mapping) or not isinstance(values, Iterable):
+        raise InputError(
+            f"loss_mask must be a list of 0/1 (one per token), found {reprlib.repr(values)}",
+            sample_id=sample_id,
+        )
+    mask = []
+    for position, value in enumerate(values):
+        try:
+            flag = operator.index(value)  # ints and bools; refuses 0.5 and "1" rather than round
+        except TypeError:
+            flag = -1
+        if flag not in (0, 1):
+            raise InputError(
+                f"loss_mask holds {reprlib.repr(value)} at position {position}: each entry must "
+                "be 0 or 1 (booleans also work)",
+                sample_id=sample_id,
+            )
+        mask.append(flag)
+    return mask
 
 
 @dataclass

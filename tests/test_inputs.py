@@ -65,6 +65,34 @@ def test_a_bad_line_is_reported_with_its_number_and_reason_and_the_rest_is_read(
     assert bad.line == 2 and f"{path}:2:" in str(bad.error) and reason in str(bad.error)
 
 
+@pytest.mark.parametrize(
+    ("mask", "reason"),
+    [
+        ([0, 256], "holds 256 at position 1"),
+        ([-1, 1], "holds -1 at position 0"),
+        ([1, 2], "holds 2 at position 1"),
+        ([0.5, 1], "holds 0.5 at position 0"),
+        ([1.0, 1], "holds 1.0 at position 0"),
+        ([1, "1"], "holds '1' at position 1"),
+        ("01", "must be a list of 0/1"),
+        ({"0": 1, "1": 1}, "must be a list of 0/1"),
+        (1, "must be a list of 0/1"),
+    ],
+)
+def test_a_loss_mask_of_anything_but_0_and_1_rejects_its_line_alone(tmp_path, mask, reason):
+    path = _write(
+        tmp_path / "d.jsonl",
+        {"id": "ok1", "input_ids": [1, 2], "loss_mask": [0, 1]},
+        {"id": "x", "input_ids": [1, 2], "loss_mask": mask},
+        {"id": "ok2", "input_ids": [1, 2]},
+    )
+    dataset = read_dataset(path)
+    assert [s.id for s in dataset.samples] == ["ok1", "ok2"]
+    (bad,) = dataset.bad_lines
+    assert (bad.line, bad.sample_id) == (2, "x")
+    assert f"{path}:2:" in str(bad.error) and reason in str(bad.error)
+
+
 def test_a_duplicate_id_is_rejected_naming_the_first_line(tmp_path):
     path = _write(
         tmp_path / "d.jsonl", {"id": "a", "input_ids": [1]}, {"id": "a", "input_ids": [2]}
