@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import reprlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +21,9 @@ from hsdump._exceptions import ConfigError, InputError
 from hsdump._types import Sample
 
 __all__ = ["BadLine", "Dataset", "InputLimits", "load_tokenizer", "read_dataset"]
+
+# What ``errors="surrogateescape"`` turns each byte that is not UTF-8 into.
+_UNDECODABLE = re.compile("[\udc80-\udcff]")
 
 
 @dataclass(frozen=True)
@@ -155,7 +160,8 @@ def read_dataset(
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
     try:
-        with open(path, encoding="utf-8") as f:
+        # Undecodable bytes become lone surrogates, so one bad byte rejects its line, not the file.
+        with open(path, encoding="utf-8", errors="surrogateescape") as f:
             for number, text in enumerate(f, start=1):
                 if text.strip():
                     yield number, text
@@ -173,10 +179,22 @@ class _LineParser:
         return InputError(f"{self.path}:{number}: {reason}", sample_id=sample_id)
 
     def parse(self, number: int, text: str) -> Sample:
+        undecodable = _UNDECODABLE.search(text)
+        if undecodable:
+            byte = ord(undecodable.group()) - 0xDC00
+            raise self.error(
+                number,
+                f"not valid UTF-8 (byte 0x{byte:02x} at column {undecodable.start() + 1}): "
+                "save the dataset as UTF-8",
+            )
         try:
             record = json.loads(text)
         except json.JSONDecodeError as exc:
             raise self.error(number, f"not valid JSON ({exc.msg} at column {exc.colno})") from exc
+        except RecursionError:
+            raise self.error(
+                number, "JSON nested too deeply to read (over a thousand levels of [ or {)"
+            ) from None
         if not isinstance(record, dict):
             raise self.error(number, f"expected a JSON object, found {type(record).__name__}")
         sample_id = self._id(number, record)
@@ -203,7 +221,9 @@ class _LineParser:
                 raise InputError('"input_ids" must be a non-empty list of token ids')
             bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0]
             if bad:
-                raise InputError(f'"input_ids" holds {bad[0]!r}: ids are non-negative integers')
+                raise InputError(
+                    f'"input_ids" holds {reprlib.repr(bad[0])}: ids are non-negative integers'
+                )
             return ids
         if "text" not in record and "messages" not in record:
             raise InputError('no "input_ids" (nor "text" or "messages" with a tokenizer)')

@@ -93,6 +93,25 @@ def test_a_loss_mask_of_anything_but_0_and_1_rejects_its_line_alone(tmp_path, ma
     assert f"{path}:2:" in str(bad.error) and reason in str(bad.error)
 
 
+def test_a_byte_that_is_not_utf8_rejects_its_line_alone(tmp_path):
+    path = tmp_path / "d.jsonl"
+    good = [json.dumps({"id": f"ok{i}", "input_ids": [i]}).encode() for i in range(4)]
+    path.write_bytes(b"\n".join([*good[:2], b'{"id": "x\xff", "input_ids": [1]}', *good[2:]]))
+    dataset = read_dataset(path)
+    assert [s.id for s in dataset.samples] == ["ok0", "ok1", "ok2", "ok3"]
+    (bad,) = dataset.bad_lines
+    assert bad.line == 3 and f"{path}:3: not valid UTF-8 (byte 0xff at column 10)" in str(bad.error)
+
+
+def test_json_nested_too_deeply_rejects_its_line_alone(tmp_path):
+    deep = '{"id": "x", "input_ids": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    path = _write(tmp_path / "d.jsonl", {"id": "ok1", "input_ids": [1]}, deep)
+    dataset = read_dataset(path)
+    assert [s.id for s in dataset.samples] == ["ok1"]
+    (bad,) = dataset.bad_lines
+    assert bad.line == 2 and f"{path}:2: JSON nested too deeply" in str(bad.error)
+
+
 def test_a_duplicate_id_is_rejected_naming_the_first_line(tmp_path):
     path = _write(
         tmp_path / "d.jsonl", {"id": "a", "input_ids": [1]}, {"id": "a", "input_ids": [2]}
