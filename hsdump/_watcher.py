@@ -99,8 +99,9 @@ class InotifyWatcher:
     """Wakes waiters from Linux inotify events on the dump root (asyncio event loops).
 
     One inotify descriptor watches the root for directories moved or created in; a directory that
-    appears before its marker (a producer that does not rename atomically) gets a watch of its own
-    until the marker arrives.
+    appears before its marker (a producer that writes in place instead of renaming a finished
+    directory) gets a watch of its own for as long as a wait for it lasts, however many files
+    arrive before the marker.
 
     Args:
         root: The dump root (created if missing).
@@ -108,7 +109,7 @@ class InotifyWatcher:
 
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root)
-        self._waiters: dict[str, set[anyio.Event]] = {}
+        self._waiters: dict[str, set[_Wakeup]] = {}
         self._subdirs: dict[int, str] = {}
         self._inotify: Any = None  # inotify_simple.INotify once started
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -140,19 +141,24 @@ class InotifyWatcher:
         if rid not in self._waiters:
             return
         path = request_dir(self.root, rid)
-        if _is_published(path):
+        if not _is_published(path):
+            self._watch_request_dir(rid, path)
+        if _is_published(path):  # also when the marker landed before the watch
             self._wake(rid)
-            return
+
+    def _watch_request_dir(self, rid: str, path: Path) -> None:
         from inotify_simple import flags
 
-        wd = self._inotify.add_watch(path, flags.CREATE | flags.MOVED_TO)
+        mask = flags.CREATE | flags.MOVED_TO | flags.ONLYDIR | flags.DONT_FOLLOW
+        try:
+            wd = self._inotify.add_watch(path, mask)
+        except OSError:
+            return  # not there (yet, or any more), or a link: the root's watch reports changes
         self._subdirs[wd] = rid
-        if _is_published(path):  # the marker may have landed before the watch
-            self._wake(rid)
 
     def _wake(self, rid: str) -> None:
-        for event in self._waiters.get(rid, ()):
-            event.set()
+        for wakeup in self._waiters.get(rid, ()):
+            wakeup.set()
 
     def _wake_all(self) -> None:
         for rid in list(self._waiters):
@@ -165,24 +171,26 @@ class InotifyWatcher:
             raise ConfigError("this watcher is closed")
         if self._inotify is None:
             self._start()
-        with anyio.move_on_after(timeout):
-            while True:
-                event = anyio.Event()
-                self._waiters.setdefault(rid, set()).add(event)
-                try:
-                    if _is_published(path):  # registered first, so no event can slip by
-                        return path
-                    await event.wait()
+        wakeup = _Wakeup()
+        self._waiters.setdefault(rid, set()).add(wakeup)
+        try:
+            with anyio.move_on_after(timeout):
+                # Registered, and the directory watched if it exists, before looking, so no event
+                # slips by; both last until the wait ends, however many wake-ups it takes.
+                self._watch_request_dir(rid, path)
+                while not _is_published(path):
+                    await wakeup.wait()
                     if self._closed:
                         raise ConfigError("the watcher was closed while waiting")
-                finally:
-                    self._unregister(rid, event)
+                return path
+        finally:
+            self._unregister(rid, wakeup)
         raise _timeout_error(self.root, rid, timeout)
 
-    def _unregister(self, rid: str, event: anyio.Event) -> None:
+    def _unregister(self, rid: str, wakeup: _Wakeup) -> None:
         waiters = self._waiters.get(rid)
         if waiters is not None:
-            waiters.discard(event)
+            waiters.discard(wakeup)
             if not waiters:
                 del self._waiters[rid]
                 self._drop_subdir_watches(rid)
@@ -190,6 +198,8 @@ class InotifyWatcher:
     def _drop_subdir_watches(self, rid: str) -> None:
         for wd in [wd for wd, owner in self._subdirs.items() if owner == rid]:
             del self._subdirs[wd]
+            if self._inotify is None:
+                continue  # closed: the descriptor took its watches with it
             # A gone directory's watch was already dropped by the kernel.
             with contextlib.suppress(OSError):
                 self._inotify.rm_watch(wd)
@@ -203,6 +213,20 @@ class InotifyWatcher:
             self._inotify.close()
             self._inotify = None
         self._wake_all()
+
+
+class _Wakeup:
+    """Tells one wait to look again; wake-ups that arrive before it looks merge into one."""
+
+    def __init__(self) -> None:
+        self._event = anyio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    async def wait(self) -> None:
+        await self._event.wait()
+        self._event = anyio.Event()
 
 
 def default_watcher(root: str | os.PathLike[str], kind: str | None = None) -> DumpWatcher:

@@ -3,7 +3,8 @@
 - :class:`FakeServer`: an SGLang stand-in on loopback that dumps through the real protocol, with
   fault injection (:class:`Fault`).
 - :class:`DumpWatcherTests`: the conformance suite every :class:`~hsdump.DumpWatcher` must pass.
-  Subclass it and define ``make_watcher``::
+  Its tests order producer and waiter by events, never by sleeping. Subclass it and define
+  ``make_watcher``::
 
       class TestMyWatcher(DumpWatcherTests):
           def make_watcher(self, root):
@@ -17,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 import pytest
+from anyio.abc import TaskGroup
 
 from hsdump._exceptions import DumpTimeout
 from hsdump._fake import FakeEngine, FakeServer, Fault, FaultKind, fake_states
@@ -86,9 +89,10 @@ class DumpWatcherTests:
     async def test_returns_when_dump_published_after_wait_began(self, watcher: DumpWatcher) -> None:
         rid = self.rid()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_publish_later, watcher.root, rid, 0.05)
-            path = await watcher.wait(rid, timeout=5)
-        assert path == request_dir(watcher.root, rid)
+            wait = await _begin_wait(tg, watcher, rid)
+            await _produce(lambda: publish(watcher.root, rid))
+            await wait.returned.wait()
+        assert wait.path == request_dir(watcher.root, rid)
 
     @pytest.mark.anyio
     async def test_returns_at_once_when_dump_published_before_wait(
@@ -103,9 +107,10 @@ class DumpWatcherTests:
     async def test_returns_on_error_marker(self, watcher: DumpWatcher) -> None:
         rid = self.rid()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(_error_later, watcher.root, rid, 0.05)
-            path = await watcher.wait(rid, timeout=5)
-        assert (path / "error").exists()
+            wait = await _begin_wait(tg, watcher, rid)
+            await _produce(lambda: write_error(watcher.root, rid, "test failure", _PRODUCER))
+            await wait.returned.wait()
+        assert wait.path is not None and (wait.path / "error").exists()
 
     @pytest.mark.anyio
     async def test_waits_for_marker_when_directory_appears_first(
@@ -113,24 +118,55 @@ class DumpWatcherTests:
     ) -> None:
         rid = self.rid()
         path = request_dir(watcher.root, rid)
-
-        async def slow_producer() -> None:
-            await anyio.sleep(0.05)
-            path.mkdir()
-            await anyio.sleep(0.1)
-            (path / "done").touch()
-
         async with anyio.create_task_group() as tg:
-            tg.start_soon(slow_producer)
-            await watcher.wait(rid, timeout=5)
-            assert (path / "done").exists()
+            wait = await _begin_wait(tg, watcher, rid)
+            await _produce(path.mkdir)
+            assert not wait.returned.is_set()
+            await _produce((path / "done").touch)
+            await wait.returned.wait()
+
+    @pytest.mark.anyio
+    async def test_waits_for_marker_after_files_written_in_place(
+        self, watcher: DumpWatcher
+    ) -> None:
+        """A producer that makes ``req_<rid>`` itself and writes its files there, marker last."""
+        rid = self.rid()
+        path = request_dir(watcher.root, rid)
+        async with anyio.create_task_group() as tg:
+            wait = await _begin_wait(tg, watcher, rid)
+            await _produce(path.mkdir)
+            for name in ("meta.json", "aux.bin", "final.bin"):
+                await _produce((path / name).touch)
+                assert not wait.returned.is_set()
+            await _produce((path / "done").touch)
+            await wait.returned.wait()
+
+    @pytest.mark.anyio
+    async def test_waits_for_marker_in_a_directory_made_before_the_wait(
+        self, watcher: DumpWatcher
+    ) -> None:
+        rid = self.rid()
+        path = request_dir(watcher.root, rid)
+        path.mkdir()
+        (path / "meta.json").touch()
+        async with anyio.create_task_group() as tg:
+            wait = await _begin_wait(tg, watcher, rid)
+            await _produce((path / "aux.bin").touch)
+            assert not wait.returned.is_set()
+            await _produce((path / "done").touch)
+            await wait.returned.wait()
 
     @pytest.mark.anyio
     async def test_other_requests_dumps_do_not_end_the_wait(self, watcher: DumpWatcher) -> None:
-        mine, other = self.rid(), self.rid()
-        publish(watcher.root, other)
-        with pytest.raises(DumpTimeout):
-            await watcher.wait(mine, timeout=0.2)
+        mine, before, during = self.rid(), self.rid(), self.rid()
+        publish(watcher.root, before)
+        async with anyio.create_task_group() as tg:
+            wait = await _begin_wait(tg, watcher, mine)
+            await _produce(lambda: publish(watcher.root, during))
+            assert not wait.returned.is_set()
+            await _produce(lambda: publish(watcher.root, mine))
+            await wait.returned.wait()
+        assert wait.path == request_dir(watcher.root, mine)
 
     @pytest.mark.anyio
     async def test_timeout_raises_dump_timeout_naming_the_request(
@@ -153,9 +189,9 @@ class DumpWatcherTests:
         async with anyio.create_task_group() as tg:
             for rid in rids:
                 tg.start_soon(wait_one, rid)
-            await anyio.sleep(0.05)
-            for rid in reversed(rids):
-                publish(watcher.root, rid)
+            await anyio.wait_all_tasks_blocked()  # every wait has begun
+            assert done == []
+            await _produce(lambda: [publish(watcher.root, rid) for rid in reversed(rids)])
         assert sorted(done) == sorted(rids)
 
     @pytest.mark.anyio
@@ -165,8 +201,9 @@ class DumpWatcherTests:
         await _warm_up(watcher)
         fds, tasks = _fd_count(), len(asyncio.all_tasks())
         for _ in range(30):
-            with anyio.move_on_after(0.005):
-                await watcher.wait(self.rid(), timeout=5)
+            async with anyio.create_task_group() as tg:
+                await _begin_wait(tg, watcher, self.rid())
+                tg.cancel_scope.cancel()  # while the wait is blocked in the watcher
             with pytest.raises(DumpTimeout):
                 await watcher.wait(self.rid(), timeout=0.005)
         assert _fd_count() == fds
@@ -193,11 +230,33 @@ async def _warm_up(watcher: DumpWatcher) -> None:
     await watcher.wait(rid, timeout=5)
 
 
-async def _publish_later(root: Path, rid: str, delay: float) -> None:
-    await anyio.sleep(delay)
-    publish(root, rid)
+class _Wait:
+    """A :meth:`DumpWatcher.wait` running in a task of its own."""
+
+    def __init__(self) -> None:
+        self.path: Path | None = None
+        self.returned = anyio.Event()
 
 
-async def _error_later(root: Path, rid: str, delay: float) -> None:
-    await anyio.sleep(delay)
-    write_error(root, rid, "test failure", _PRODUCER)
+async def _begin_wait(tg: TaskGroup, watcher: DumpWatcher, rid: str, timeout: float = 5) -> _Wait:
+    """Start waiting for ``rid`` in ``tg``; return once the wait has begun (blocks in it)."""
+    wait = _Wait()
+
+    async def run() -> None:
+        wait.path = await watcher.wait(rid, timeout)
+        wait.returned.set()
+
+    tg.start_soon(run)
+    await anyio.wait_all_tasks_blocked()
+    return wait
+
+
+async def _produce(step: Callable[[], object]) -> None:
+    """Run one step of a producer; return once the watcher has seen it and waits (or returned).
+
+    The step runs in a worker thread, so its file events are queued before the event loop learns
+    that the thread finished, and the loop polls them before it resumes this task; then every task
+    blocking again means a woken wait has looked and gone back to waiting.
+    """
+    await anyio.to_thread.run_sync(step)
+    await anyio.wait_all_tasks_blocked()
