@@ -173,6 +173,7 @@ async def _extract(options: dict[str, Any], url: str, dump_dir: Path | None) -> 
         url,
         dump_dir=dump_dir,
         max_in_flight=options["concurrency"],
+        request_timeout=options["request_timeout"],
         dump_timeout=options["dump_timeout"],
     )
     async with client:
@@ -221,6 +222,9 @@ def extract(
     tokenizer: Annotated[
         Path | None, typer.Option(help="Local tokenizer directory for 'text'/'messages' lines.")
     ] = None,
+    request_timeout: Annotated[
+        float, typer.Option(min=0.001, help="Seconds to wait for the server's HTTP response.")
+    ] = 600.0,
     dump_timeout: Annotated[float, typer.Option(help="Seconds to wait for a dump.")] = 60.0,
     shard_tokens: Annotated[
         int | None, typer.Option(help="Tokens per store shard (store default when unset).")
@@ -238,6 +242,7 @@ def extract(
         "retries": retries,
         "fail_fast": fail_fast,
         "tokenizer": tokenizer,
+        "request_timeout": request_timeout,
         "dump_timeout": dump_timeout,
         "shard_tokens": shard_tokens,
     }

@@ -304,6 +304,8 @@ class HiddenStateClient:
                 with anyio.fail_after(self.dump_timeout):
                     await dump_seen.wait()
                 self.stats.dump_wait_s += time.perf_counter() - waited
+            except HsdumpError as exc:  # first: ServerTimeout is a TimeoutError too
+                error = exc
             except TimeoutError:
                 error = DumpTimeout(
                     "the server answered, but no dump appeared in "
@@ -313,8 +315,6 @@ class HiddenStateClient:
                     sample_id=sample.id,
                     rid=rid,
                 )
-            except HsdumpError as exc:
-                error = exc
             tg.cancel_scope.cancel()
         if error is not None:
             raise error

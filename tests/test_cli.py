@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 from typer.testing import CliRunner
@@ -128,6 +129,23 @@ def test_a_sample_failing_every_retry_is_recorded_and_the_exit_code_is_one(fake,
         "DumpFailed",
         2,
     )
+
+
+def test_request_timeout_bounds_the_wait_for_the_http_response(fake, tmp_path):
+    s0, release = _good(1)[0]["input_ids"], threading.Event()
+    fake.engine.fault_for = lambda rid, ids: release.wait(30) and None if ids == s0 else None
+    dataset = _dataset(tmp_path / "d.jsonl", *_good(1))
+    try:
+        result = _extract_from(
+            fake, tmp_path, dataset, "--request-timeout", "0.2", "--retries", "0"
+        )
+    finally:
+        release.set()
+    assert result.exit_code == 1, result.output
+    (record,) = [
+        json.loads(x) for x in (tmp_path / "s.zarr.failures.jsonl").read_text().splitlines()
+    ]
+    assert record["error"] == "ServerTimeout" and "within 0.2 s" in record["message"]
 
 
 def test_an_unreachable_server_is_a_one_line_error_with_exit_code_two(tmp_path):

@@ -230,6 +230,31 @@ async def test_a_late_dump_after_a_timeout_is_removed(server: FakeServer) -> Non
     assert request_dirs(server.dump_dir) == []
 
 
+@contextlib.contextmanager
+def stalled(server: FakeServer) -> Iterator[threading.Event]:
+    """The server takes the next opted-in request in and answers only when the block ends."""
+    arrived, release = threading.Event(), threading.Event()
+
+    def hold(rid: str, ids: list[int]) -> None:
+        arrived.set()
+        release.wait(30)
+
+    server.engine.fault_for = hold
+    try:
+        yield arrived
+    finally:
+        release.set()
+
+
+async def test_an_http_timeout_is_a_server_timeout_not_a_dump_timeout(server: FakeServer) -> None:
+    async with HiddenStateClient(
+        server.url, dump_dir=server.dump_dir, request_timeout=0.2
+    ) as client:
+        with stalled(server), pytest.raises(hsdump.ServerTimeout, match=r"within 0\.2 s") as info:
+            await client.extract(sample(18))
+    assert info.value.transient and info.value.sample_id == "s18"
+
+
 async def test_cancelling_extract_mid_flight_leaves_nothing_behind(server: FakeServer) -> None:
     server.inject(Fault("response_first", delay=0.3))
     async with HiddenStateClient(server.url, dump_dir=server.dump_dir) as client:
