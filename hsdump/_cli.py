@@ -158,34 +158,74 @@ def _print_summary(summary: Any, failures_path: Path) -> None:
         console.print(
             f"time per stage (overlapping): {stages}; busiest: {busiest}", highlight=False
         )
+    _print_telemetry(summary)
     if summary.failures:
         console.print(f"[red]failures recorded in {failures_path}[/]", highlight=False)
 
 
-async def _extract(options: dict[str, Any], url: str, dump_dir: Path | None) -> int:
+def _print_telemetry(summary: Any) -> None:
+    """Which side limits the run: per-stage GB/s and occupancy, cores busy, peak memory."""
+    rates = summary.stage_rates()
+    if rates:
+        stages = ", ".join(
+            f"{name} {gbs:.2f} GB/s x{busy:.1f}" for name, (gbs, busy) in rates.items()
+        )
+        console.print(f"per stage (GB/s while busy x samples in it): {stages}", highlight=False)
+    console.print(
+        f"{summary.workers} worker process(es), {summary.cores_busy:.1f} cores busy, "
+        f"peak memory {summary.peak_rss_bytes / 1e9:.2f} GB",
+        highlight=False,
+    )
+
+
+async def _prepare(options: dict[str, Any], url: str, dump_dir: Path | None) -> Any:
+    """Check the server (through a client that is closed again) and read the dataset."""
     from hsdump._client import HiddenStateClient
-    from hsdump._inputs import InputLimits, load_tokenizer, read_dataset
-    from hsdump._pipeline import Failure, failures_path_for, run_extraction
-    from hsdump._store import open_store
+    from hsdump._inputs import InputLimits
+
+    client = HiddenStateClient(url, dump_dir=dump_dir, dump_timeout=options["dump_timeout"])
+    async with client:
+        return _read_dataset(options, InputLimits.from_server_info(client.server_info))
+
+
+def _read_dataset(options: dict[str, Any], limits: Any) -> tuple[Any, list[Any]]:
+    from hsdump._inputs import load_tokenizer, read_dataset
+    from hsdump._pipeline import Failure
 
     tokenizer = load_tokenizer(options["tokenizer"]) if options["tokenizer"] else None
+    dataset = read_dataset(options["dataset"], limits=limits, tokenizer=tokenizer)
+    for bad in dataset.bad_lines:
+        console.print(f"[red]bad line[/] {bad.error}", highlight=False, soft_wrap=True)
+    prior = [Failure(b.sample_id, b.line, "InputError", str(b.error), 0) for b in dataset.bad_lines]
+    return dataset, prior
+
+
+def _client_options(options: dict[str, Any]) -> dict[str, Any]:
+    names = ("dump_timeout", "request_timeout")
+    return {name: options[name] for name in names if options.get(name) is not None}
+
+
+def _store_options(options: dict[str, Any]) -> dict[str, Any]:
+    return {"shard_tokens": options["shard_tokens"]} if options["shard_tokens"] else {}
+
+
+async def _extract(options: dict[str, Any], url: str, dump_dir: Path | None) -> int:
+    from hsdump._client import HiddenStateClient
+    from hsdump._inputs import InputLimits
+    from hsdump._pipeline import failures_path_for, run_extraction
+    from hsdump._store import open_store
+
     client = HiddenStateClient(
         url,
         dump_dir=dump_dir,
         max_in_flight=options["concurrency"],
-        request_timeout=options["request_timeout"],
         dump_timeout=options["dump_timeout"],
     )
     async with client:
         limits = InputLimits.from_server_info(client.server_info)
-        dataset = read_dataset(options["dataset"], limits=limits, tokenizer=tokenizer)
-        for bad in dataset.bad_lines:
-            console.print(f"[red]bad line[/] {bad.error}", highlight=False, soft_wrap=True)
-        prior = [
-            Failure(b.sample_id, b.line, "InputError", str(b.error), 0) for b in dataset.bad_lines
-        ]
+        dataset, prior = _read_dataset(options, limits)
         failures_path = failures_path_for(options["out"])
-        store_options = {"shard_tokens": options["shard_tokens"]} if options["shard_tokens"] else {}
+        store_options = _store_options(options)
         with open_store(options["out"], "a", **store_options) as store, _ProgressView() as view:
             summary = await run_extraction(
                 dataset.samples,
@@ -203,6 +243,47 @@ async def _extract(options: dict[str, Any], url: str, dump_dir: Path | None) -> 
     return EXIT_OK if summary.ok else EXIT_FAILURES
 
 
+def _extract_parallel(options: dict[str, Any], url: str, dump_dir: Path | None) -> int:
+    """``--workers`` > 1: extraction in worker processes, each with its own store part."""
+    import anyio
+
+    from hsdump._parallel import run_parallel_extraction
+    from hsdump._pipeline import failures_path_for
+
+    dataset, prior = anyio.run(_prepare, options, url, dump_dir)
+    failures_path = failures_path_for(options["out"])
+    with _ProgressView() as view:
+        try:
+            summary = run_parallel_extraction(
+                dataset.samples,
+                url=url,
+                dump_dir=dump_dir,
+                store=options["out"],
+                workers=options["workers"],
+                concurrency=options["concurrency"],
+                retries=options["retries"],
+                fail_fast=options["fail_fast"],
+                failures_path=failures_path,
+                progress=view,
+                line_numbers=dataset.line_numbers,
+                prior_failures=prior,
+                client_options=_client_options(options),
+                store_options=_store_options(options),
+            )
+        except KeyboardInterrupt:
+            if view.summary is not None:
+                view.summary.interrupted = True
+                _print_summary(view.summary, failures_path)
+            raise
+    _print_summary(summary, failures_path)
+    return EXIT_OK if summary.ok else EXIT_FAILURES
+
+
+def default_workers() -> int:
+    """Worker processes for ``--workers 0``: one per four cores, 1 to 8."""
+    return max(1, min(8, (os.cpu_count() or 1) // 4))
+
+
 @app.command(help=EXTRACT_HELP)
 def extract(
     dataset: Annotated[str, typer.Argument(help="JSONL dataset, or 'bundled' for the sample.")],
@@ -217,6 +298,14 @@ def extract(
         Path | None, typer.Option(help="Model directory for the embedded reference server.")
     ] = None,
     concurrency: Annotated[int, typer.Option(min=1, help="Requests at the server at once.")] = 1,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Processes that check and store dumps, each into its own store part "
+            "(0: one per four cores, 1 to 8; 1: this process only).",
+        ),
+    ] = 0,
     retries: Annotated[int, typer.Option(min=0, help="Retries of a transient failure.")] = 3,
     fail_fast: Annotated[bool, typer.Option(help="Stop at the first failure.")] = False,
     tokenizer: Annotated[
@@ -235,10 +324,11 @@ def extract(
     _setup_logging(verbose)
     if server_url is None and dump_dir is not None and not dump_dir.is_dir():
         dump_dir.mkdir(parents=True, exist_ok=True)
-    options = {
+    options: dict[str, Any] = {
         "dataset": _data_path(dataset),
         "out": out,
         "concurrency": concurrency,
+        "workers": workers or default_workers(),
         "retries": retries,
         "fail_fast": fail_fast,
         "tokenizer": tokenizer,
@@ -251,6 +341,8 @@ def extract(
         import anyio
 
         with _server(server_url, dump_dir, model) as (url, root):
+            if options["workers"] > 1:
+                return _extract_parallel(options, url, root)
             return anyio.run(_extract, options, url, root)
 
     _run_guarded(job)

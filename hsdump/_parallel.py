@@ -1,0 +1,624 @@
+"""Extraction in several processes: each worker has its own client and its own part of the store.
+
+One interpreter cannot read, check and compress hidden states as fast as a GPU produces them: its
+threads queue on one lock. :func:`run_parallel_extraction` starts ``workers`` processes. Each one
+opens a :class:`~hsdump.HiddenStateClient` on the same server and dump root, and writes its own
+part (``w<i>``) of the same store, so ingest and compression run on every core. This process keeps
+the dataset, hands samples to the workers that have room (a slow worker takes fewer), and adds up
+their progress.
+
+Requests in flight stay bounded for the whole run: every worker's client asks this process for a
+slot before its request goes to the server and hands it back after, so ``concurrency=1`` is still
+one request at a time; a worker that dies holding a slot frees it by dying.
+
+Failures: a worker that dies keeps its part's committed samples. This process reads the store to
+see which of the samples it gave that worker are committed, gives the rest to the others, and
+restarts the worker on the same part (a few times at most). Stopping (Ctrl-C, SIGTERM) tells every
+worker to finish the store write in flight, commit, remove its dumps and exit; a worker whose parent
+dies gets SIGTERM from the kernel and does the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from hsdump._exceptions import ConfigError, HsdumpError
+from hsdump._pipeline import (
+    ExtractionSummary,
+    Failure,
+    ProgressCallback,
+    _FailureLog,
+    run_extraction,
+)
+from hsdump._types import Sample
+
+__all__ = ["WorkerError", "run_parallel_extraction"]
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+_MAX_RESTARTS = 3
+_STOP_GRACE_S = 120.0
+_COUNTERS = ("samples_done", "tokens_done", "bytes_raw", "bytes_stored", "store_bytes_raw")
+
+
+class WorkerError(HsdumpError):
+    """A worker process could not start or kept dying; the message says which and why."""
+
+
+@dataclass
+class _Waiter:
+    event: anyio.Event = field(default_factory=anyio.Event)
+    cancelled: bool = False
+
+
+class _ParentGate:
+    """A worker's share of the run's requests in flight, granted by the parent over the pipe.
+
+    The parent holds the count, so a worker that dies holding a slot gives it back by dying.
+    """
+
+    def __init__(self, conn: Any):
+        self._conn = conn
+        self._waiting: deque[_Waiter] = deque()
+
+    async def __aenter__(self) -> None:
+        waiter = _Waiter()
+        self._waiting.append(waiter)
+        self._conn.send(("acquire",))
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            waiter.cancelled = True  # the grant may still come: it is handed back on arrival
+            if waiter.event.is_set():
+                self._conn.send(("release",))
+            raise
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._conn.send(("release",))
+
+    def granted(self) -> None:
+        """The parent granted the oldest request."""
+        waiter = self._waiting.popleft()
+        waiter.event.set()
+        if waiter.cancelled:
+            self._conn.send(("release",))
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What one worker process needs to open its client and its store part."""
+
+    index: int
+    url: str
+    dump_dir: str | None
+    store: str
+    concurrency: int
+    retries: int
+    fail_fast: bool
+    client_options: Mapping[str, Any] = field(default_factory=dict)
+    store_options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def writer_id(self) -> str:
+        """The worker's store part: the same on every rerun, so a rerun resumes it."""
+        return f"w{self.index}"
+
+
+# -- the worker process ------------------------------------------------------------------------
+
+
+def _worker_main(spec: WorkerSpec, conn: Any) -> None:
+    """A worker process: extract what the parent sends until it says end (or stop)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates a stop
+    try:
+        anyio.run(_worker, spec, conn)
+    except HsdumpError as exc:
+        conn.send(("fatal", type(exc).__name__, str(exc)))
+    finally:
+        conn.close()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to send SIGTERM when the parent dies, so no worker outlives a killed run."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:
+        os.kill(os.getpid(), signal.SIGTERM)  # the parent died before prctl took effect
+
+
+async def _worker(spec: WorkerSpec, conn: Any) -> None:
+    from hsdump._client import HiddenStateClient
+    from hsdump._store import open_store
+
+    reporter, gate = _Reporter(conn), _ParentGate(conn)
+    client = HiddenStateClient(
+        spec.url,
+        dump_dir=spec.dump_dir,
+        max_in_flight=spec.concurrency,
+        gate=gate,
+        **spec.client_options,
+    )
+    async with client:
+        with open_store(spec.store, "a", writer_id=spec.writer_id, **spec.store_options) as store:
+            send, receive = anyio.create_memory_object_stream[Sample](max_buffer_size=math.inf)
+            conn.send(("ready",))
+            try:
+                async with anyio.create_task_group() as group:
+                    group.start_soon(_feed, conn, send, gate, group.cancel_scope)
+                    group.start_soon(_stop_on_sigterm, group.cancel_scope)
+                    await run_extraction(
+                        receive, client=client, store=store, retries=spec.retries,
+                        concurrency=spec.concurrency, fail_fast=spec.fail_fast, progress=reporter,
+                    )  # fmt: skip
+                    group.cancel_scope.cancel()
+            finally:
+                reporter.final()
+
+
+async def _feed(conn: Any, send: Any, gate: _ParentGate, scope: anyio.CancelScope) -> None:
+    """Messages from the parent: samples into the run's stream, grants to the gate; ``end``
+    closes the stream, ``stop`` cancels the run."""
+    async with send:
+        while True:
+            try:
+                message = await anyio.to_thread.run_sync(conn.recv, abandon_on_cancel=True)
+            except EOFError:
+                message = ("stop",)  # the parent is gone
+            if message[0] == "granted":
+                gate.granted()
+            elif message[0] == "samples":
+                for sample in message[1]:
+                    send.send_nowait(sample)
+            elif message[0] == "end":
+                return
+            else:
+                scope.cancel()
+                return
+
+
+async def _stop_on_sigterm(scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+        async for _ in signals:
+            scope.cancel()
+            return
+
+
+class _Reporter:
+    """The worker's progress callback: sends its counters, and each new failure, to the parent."""
+
+    def __init__(self, conn: Any):
+        self._conn = conn
+        self._summary: ExtractionSummary | None = None
+        self._failures_sent = 0
+
+    def __call__(self, summary: ExtractionSummary) -> None:
+        self._summary = summary
+        self._send("progress")
+
+    def final(self) -> None:
+        self._send("exit")
+
+    def _send(self, kind: str) -> None:
+        s = self._summary
+        if s is None:
+            self._conn.send((kind, {}, []))
+            return
+        new = s.failures[self._failures_sent :]
+        self._failures_sent = len(s.failures)
+        counters = {name: getattr(s, name) for name in _COUNTERS}
+        counters.update(
+            skipped=s.skipped, retries=s.retries, failed=len(s.failures), stages=dict(s.stages),
+            cpu_s=s.cpu_s, peak_rss_bytes=s.peak_rss_bytes,
+        )  # fmt: skip
+        with contextlib.suppress(OSError):
+            self._conn.send((kind, counters, new))
+
+
+# -- the parent --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Worker:
+    spec: WorkerSpec
+    process: Any
+    conn: Any
+    given: dict[str, Sample] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
+    counters: dict[str, Any] = field(default_factory=dict)
+    restarts: int = 0
+    exited: bool = False
+    held: int = 0  # requests in flight it was granted
+
+    @property
+    def finished(self) -> int:
+        c = self.counters
+        return int(c.get("samples_done", 0) + c.get("skipped", 0) + c.get("failed", 0))
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.given) - self.finished
+
+
+class _Parallel:
+    def __init__(self, specs: list[WorkerSpec], todo: list[Sample], **options: Any):
+        self.specs = specs
+        self.pending: deque[Sample] = deque(todo)
+        self.summary: ExtractionSummary = options["summary"]
+        self.log: _FailureLog = options["log"]
+        self.lines: Mapping[str, int] = options["line_numbers"] or {}
+        self.progress: ProgressCallback | None = options["progress"]
+        self.store_path: str = options["store_path"]
+        self.fail_fast: bool = options["fail_fast"]
+        self.credit = specs[0].concurrency + 2
+        self.slots: int = options["concurrency"]
+        self.asking: deque[_Worker] = deque()
+        self.context = multiprocessing.get_context("spawn")
+        self.workers: list[_Worker] = []
+        self.closed: dict[str, Any] = {name: 0 for name in (*_COUNTERS, "retries", "skipped")}
+        self.closed.update(stages={}, cpu_s=0.0, peak_rss_bytes=0)
+        self.stopping = False
+        self._skipped_at_start = self.summary.skipped
+        self._reported = 0.0
+
+    def run(self) -> None:
+        self.workers = [self._spawn(spec) for spec in self.specs]
+        try:
+            while self._live() and not self._done():
+                self._dispatch()
+                self._wait_once()
+            self._end()
+        except BaseException:
+            self.summary.interrupted = True
+            self._stop()
+            raise
+        finally:
+            self._reap()
+
+    def _spawn(self, spec: WorkerSpec, restarts: int = 0) -> _Worker:
+        ours, theirs = self.context.Pipe()
+        process = self.context.Process(
+            target=_worker_main, args=(spec, theirs), name=f"hsdump-{spec.writer_id}"
+        )
+        process.start()
+        theirs.close()
+        return _Worker(spec=spec, process=process, conn=ours, restarts=restarts)
+
+    def _live(self) -> list[_Worker]:
+        return [w for w in self.workers if not w.exited]
+
+    def _done(self) -> bool:
+        return not self.pending and all(w.outstanding <= 0 for w in self._live())
+
+    def _dispatch(self) -> None:
+        for worker in self._live():
+            room = self.credit - worker.outstanding
+            batch = [self.pending.popleft() for _ in range(min(room, len(self.pending)))]
+            if batch:
+                worker.given.update((s.id, s) for s in batch)
+                worker.conn.send(("samples", batch))
+
+    def _wait_once(self) -> None:
+        live = self._live()
+        handles = {w.conn: w for w in live} | {w.process.sentinel: w for w in live}
+        for ready in multiprocessing.connection.wait(list(handles), timeout=1.0):
+            worker = handles[ready]
+            if worker.exited:
+                continue
+            if ready is worker.conn:
+                self._receive(worker)
+            elif not worker.conn.poll():
+                self._died(worker)
+        self._report()
+
+    def _receive(self, worker: _Worker) -> None:
+        try:
+            message = worker.conn.recv()
+        except (EOFError, OSError):
+            self._died(worker)
+            return
+        kind = message[0]
+        if kind in ("acquire", "release"):
+            self._gate(worker, kind)
+        elif kind == "fatal":
+            raise WorkerError(f"worker {worker.spec.writer_id}: {message[1]}: {message[2]}")
+        elif kind in ("progress", "exit"):
+            worker.counters = message[1] or worker.counters
+            for failure in message[2]:
+                self._failed(worker, failure)
+        if kind == "exit":
+            self._exited(worker)
+
+    def _gate(self, worker: _Worker, kind: str) -> None:
+        """Requests in flight over all workers: granted in the order asked, at most ``slots``."""
+        if kind == "acquire":
+            self.asking.append(worker)
+        else:
+            worker.held -= 1
+        self._grant()
+
+    def _grant(self) -> None:
+        while self.asking and sum(w.held for w in self._live()) < self.slots:
+            asker = self.asking.popleft()
+            if asker.exited:
+                continue
+            asker.held += 1
+            with contextlib.suppress(OSError):
+                asker.conn.send(("granted",))
+
+    def _failed(self, worker: _Worker, failure: Failure) -> None:
+        if failure.sample_id is not None:
+            worker.failed.add(failure.sample_id)
+            failure = replace(failure, line=self.lines.get(failure.sample_id))
+        self.summary.failures.append(failure)
+        self.log.record(failure)
+        if self.fail_fast:
+            self.pending.clear()
+            self.stopping = True
+
+    def _exited(self, worker: _Worker) -> None:
+        """A worker ended its run: what it did not finish goes back to the queue."""
+        worker.process.join(_STOP_GRACE_S)
+        worker.exited = True
+        self._requeue(worker)
+        self._gate_freed(worker)
+
+    def _died(self, worker: _Worker) -> None:
+        worker.process.join(_POLL_S)
+        code = worker.process.exitcode
+        logger.warning("worker %s died (exit code %s)", worker.spec.writer_id, code)
+        worker.exited = True
+        self._requeue(worker)
+        self._gate_freed(worker)
+        if self.stopping or not self.pending:
+            return
+        if worker.restarts >= _MAX_RESTARTS:
+            if not self._live():
+                raise WorkerError(
+                    f"worker {worker.spec.writer_id} died {worker.restarts + 1} times (last exit "
+                    f"code {code}); committed samples are kept. See the messages above, fix the "
+                    "cause and rerun to resume."
+                )
+            return
+        self.workers.append(self._spawn(worker.spec, worker.restarts + 1))
+
+    def _gate_freed(self, worker: _Worker) -> None:
+        """A dead worker's slots go to the workers waiting for one."""
+        worker.held = 0
+        self.asking = deque(w for w in self.asking if w is not worker)
+        self._grant()
+
+    def _requeue(self, worker: _Worker) -> None:
+        """Samples given to ``worker`` that its part does not hold go back to the queue."""
+        committed = self._committed_ids() if worker.given else set()
+        left = [
+            s
+            for sid, s in worker.given.items()
+            if sid not in committed and sid not in worker.failed
+        ]
+        done = [s for sid, s in worker.given.items() if sid in committed]
+        counters = worker.counters
+        self._close_counters(counters, done)
+        if not self.stopping:
+            self.pending.extendleft(reversed(left))
+        worker.given, worker.counters = {}, {}
+
+    def _close_counters(self, counters: Mapping[str, Any], done: list[Sample]) -> None:
+        """Fold a finished worker's counters in, counting only samples the store holds."""
+        tokens = sum(len(s.input_ids) for s in done)
+        per_token = counters.get("bytes_raw", 0) / max(counters.get("tokens_done", 0), 1)
+        self.closed["samples_done"] += len(done)
+        self.closed["tokens_done"] += tokens
+        self.closed["bytes_raw"] += int(tokens * per_token)
+        for name in ("bytes_stored", "store_bytes_raw", "retries", "skipped"):
+            self.closed[name] += counters.get(name, 0)
+        for name, seconds in counters.get("stages", {}).items():
+            self.closed["stages"][name] = self.closed["stages"].get(name, 0.0) + seconds
+        self.closed["cpu_s"] += counters.get("cpu_s", 0.0)
+        self.closed["peak_rss_bytes"] = max(
+            self.closed["peak_rss_bytes"], counters.get("peak_rss_bytes", 0)
+        )
+
+    def _committed_ids(self) -> set[str]:
+        from hsdump._store import open_store
+
+        try:
+            with open_store(self.store_path, "r") as store:
+                return store.committed_ids()
+        except HsdumpError:
+            return set()  # no store yet: nothing was committed
+
+    def _end(self) -> None:
+        for worker in self._live():
+            with contextlib.suppress(OSError):
+                worker.conn.send(("end",))
+        self._drain()
+
+    def _stop(self) -> None:
+        self.stopping = True
+        self.pending.clear()
+        for worker in self._live():
+            with contextlib.suppress(OSError):
+                worker.conn.send(("stop",))
+        self._drain()
+
+    def _drain(self) -> None:
+        deadline = time.monotonic() + _STOP_GRACE_S
+        while self._live() and time.monotonic() < deadline:
+            self._wait_once()
+
+    def _reap(self) -> None:
+        for worker in self.workers:
+            if worker.process.is_alive():
+                worker.process.terminate()
+                worker.process.join(10)
+            if worker.process.is_alive():
+                worker.process.kill()
+                worker.process.join()
+            worker.conn.close()
+        self._report(force=True)
+
+    def _report(self, *, force: bool = False) -> None:
+        s, closed = self.summary, self.closed
+        live = [w.counters for w in self.workers if not w.exited]
+        for name in _COUNTERS:
+            setattr(s, name, closed[name] + sum(c.get(name, 0) for c in live))
+        s.retries = closed["retries"] + sum(c.get("retries", 0) for c in live)
+        s.skipped = self._skipped_at_start + closed["skipped"]
+        s.skipped += sum(c.get("skipped", 0) for c in live)
+        stages = dict(closed["stages"])
+        for c in live:
+            for name, seconds in c.get("stages", {}).items():
+                stages[name] = stages.get(name, 0.0) + seconds
+        s.stages = stages
+        s.cpu_s = closed["cpu_s"] + sum(c.get("cpu_s", 0.0) for c in live) + time.process_time()
+        s.peak_rss_bytes = closed["peak_rss_bytes"] + sum(c.get("peak_rss_bytes", 0) for c in live)
+        now = time.monotonic()
+        if self.progress is not None and (force or now - self._reported > 0.1):
+            self._reported = now
+            self.progress(s)
+
+
+def run_parallel_extraction(
+    samples: Sequence[Sample],
+    *,
+    url: str,
+    dump_dir: str | os.PathLike[str] | None,
+    store: str | os.PathLike[str],
+    workers: int,
+    concurrency: int = 1,
+    retries: int = 3,
+    fail_fast: bool = False,
+    failures_path: str | os.PathLike[str] | None = None,
+    progress: ProgressCallback | None = None,
+    line_numbers: Mapping[str, int] | None = None,
+    prior_failures: Sequence[Failure] = (),
+    client_options: Mapping[str, Any] | None = None,
+    store_options: Mapping[str, Any] | None = None,
+) -> ExtractionSummary:
+    """Extract every sample ``store`` does not hold yet, in ``workers`` processes.
+
+    Each worker opens its own :class:`~hsdump.HiddenStateClient` on ``url`` and ``dump_dir`` (with
+    ``client_options``) and writes its own part ``w<i>`` of the store at ``store`` (opened with
+    ``store_options``); all of them together keep at most ``concurrency`` requests at the server.
+    A rerun, with any number of workers, resumes.
+
+    Args:
+        samples: The samples.
+        url: The server's base URL.
+        dump_dir: The server's dump root.
+        store: The store's path.
+        workers: Worker processes (at least 1).
+        concurrency: Requests at the server at once, over all workers.
+        retries: Retries of a sample after a transient failure.
+        fail_fast: Stop at the first failure.
+        failures_path: The JSONL failures file, rewritten by each run; none when None.
+        progress: Called with the live summary (at most every 0.1 s).
+        line_numbers: Dataset line of each sample id, for the failures file.
+        prior_failures: Failures found before the run (bad dataset lines), recorded first.
+        client_options: Further :class:`~hsdump.HiddenStateClient` arguments (timeouts...).
+        store_options: Further :func:`~hsdump.open_store` arguments (``shard_tokens``...).
+
+    Returns:
+        The summary over all workers; ``progress`` has seen it last with the final counts.
+
+    Raises:
+        WorkerError: A worker could not open its client or store, or kept dying.
+        KeyboardInterrupt: Ctrl-C or SIGTERM, once every worker has committed and exited.
+    """
+    if workers < 1 or concurrency < 1 or retries < 0:
+        raise ConfigError(
+            f"workers and concurrency must be >= 1 and retries >= 0, got {workers}, "
+            f"{concurrency}, {retries}"
+        )
+    summary = ExtractionSummary(failures=list(prior_failures), workers=workers)
+    todo = _plan(samples, str(store), summary)
+    per_worker = -(-concurrency // workers) + 1
+    specs = [
+        WorkerSpec(
+            index=i, url=url, dump_dir=None if dump_dir is None else str(dump_dir),
+            store=str(store), concurrency=per_worker, retries=retries, fail_fast=fail_fast,
+            client_options=_share_budget(client_options or {}, workers),
+            store_options=dict(store_options or {}),
+        )
+        for i in range(min(workers, max(len(todo), 1)))
+    ]  # fmt: skip
+    path = Path(failures_path) if failures_path is not None else None
+    with _FailureLog(path) as log, _sigterm_as_interrupt():
+        for failure in prior_failures:
+            log.record(failure)
+        if todo and not (fail_fast and prior_failures):
+            runner = _Parallel(
+                specs, todo, summary=summary, log=log, line_numbers=line_numbers,
+                progress=progress, store_path=str(store), fail_fast=fail_fast,
+                concurrency=concurrency,
+            )  # fmt: skip
+            try:
+                runner.run()
+            finally:
+                summary.finished = time.monotonic()
+            summary.interrupted = summary.interrupted or bool(runner.pending)
+    summary.finished = time.monotonic()
+    return summary
+
+
+def _plan(samples: Sequence[Sample], store: str, summary: ExtractionSummary) -> list[Sample]:
+    from hsdump._store import open_store
+
+    try:
+        with open_store(store, "r") as opened:
+            committed = opened.committed_ids()
+    except HsdumpError:
+        committed = set()  # a new store
+    todo = [s for s in samples if s.id not in committed]
+    summary.skipped = len(samples) - len(todo)
+    summary.samples_total = len(todo)
+    summary.tokens_total = sum(len(s.input_ids) for s in todo)
+    return todo
+
+
+def _share_budget(options: Mapping[str, Any], workers: int) -> dict[str, Any]:
+    """Each worker gets its share of an explicit dump budget, so their sum stays the bound."""
+    shared = dict(options)
+    if shared.get("dump_budget_bytes"):
+        shared["dump_budget_bytes"] = max(1, shared["dump_budget_bytes"] // workers)
+    return shared
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM stops the run like Ctrl-C, unless the caller handles SIGTERM already."""
+    try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            yield
+            return
+        signal.signal(signal.SIGTERM, _interrupt)
+    except ValueError:  # not the main thread: signals are the main thread's business
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
