@@ -13,6 +13,7 @@ import logging
 import os
 import time
 import uuid
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -107,6 +108,9 @@ class HiddenStateClient:
         rid_prefix: The opt-in prefix the producer dumps (must match the server's setting).
         stale_after: Age in seconds after which orphaned dumps of unknown owners are removed.
         http_client: An ``httpx.AsyncClient`` to use instead of a private one (not closed here).
+        gate: An async context manager held while a request is at the server, instead of this
+            client's own lock or semaphore of ``max_in_flight``, so that several clients (in
+            several processes) share one bound.
     """
 
     def __init__(
@@ -123,6 +127,7 @@ class HiddenStateClient:
         rid_prefix: str = DEFAULT_RID_PREFIX,
         stale_after: float = 3600.0,
         http_client: httpx.AsyncClient | None = None,
+        gate: AbstractAsyncContextManager[Any] | None = None,
     ):
         if max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be at least 1, got {max_in_flight}")
@@ -141,7 +146,7 @@ class HiddenStateClient:
         self._expected = Expected(layer_ids=expected_layer_ids)
         self._http = http_client
         self._own_http = http_client is None
-        self._gate: anyio.Lock | anyio.Semaphore = (
+        self._gate: AbstractAsyncContextManager[Any] = gate or (
             anyio.Lock() if max_in_flight == 1 else anyio.Semaphore(max_in_flight)
         )
         # Reading and checking a dump is memory-bound work: more threads than cores only add page
