@@ -39,6 +39,7 @@ from hsdump._exceptions import (
 from hsdump._types import HiddenStates, Sample
 
 if TYPE_CHECKING:
+    from hsdump._batching import LengthBucketSampler, pad_collate
     from hsdump._client import HiddenStateClient
     from hsdump._dataset import HiddenStateDataset
     from hsdump._pipeline import Backoff, ExtractionSummary, run_extraction
@@ -56,9 +57,11 @@ _LAZY = {
     "HiddenStateDataset": "hsdump._dataset",
     "HiddenStateStore": "hsdump._store",
     "InotifyWatcher": "hsdump._watcher",
+    "LengthBucketSampler": "hsdump._batching",
     "PollingWatcher": "hsdump._watcher",
     "ReferenceServer": "hsdump._reference",
     "open_store": "hsdump._store",
+    "pad_collate": "hsdump._batching",
     "run_extraction": "hsdump._pipeline",
 }
 
@@ -81,6 +84,7 @@ __all__ = [
     "InotifyWatcher",
     "InputError",
     "LayerMismatch",
+    "LengthBucketSampler",
     "NonFiniteValues",
     "PollingWatcher",
     "ProvenanceMismatch",
@@ -101,6 +105,7 @@ __all__ = [
     "TokenMismatch",
     "__version__",
     "open_store",
+    "pad_collate",
     "run_extraction",
 ]
 
