@@ -31,7 +31,7 @@ import anyio
 import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from hsdump._exceptions import ConfigError, HsdumpError, SampleExistsError
+from hsdump._exceptions import ConfigError, HsdumpError, SampleExistsError, StoreError
 
 if TYPE_CHECKING:
     from hsdump._types import HiddenStates, Sample
@@ -313,6 +313,7 @@ class _Run:
         self.lines: Mapping[str, int] = options["line_numbers"] or {}
         self.log: _FailureLog = options["log"]
         self.summary: ExtractionSummary = options["summary"]
+        self.fatal: StoreError | None = None
         self._write_lock = anyio.Lock()
         self._cpu_start = time.process_time()
         self._store_start = _store_bytes(store)
@@ -353,7 +354,7 @@ class _Run:
             async for sample, states, attempt in results:
                 committed = await self.commit(sample, states, attempt)
                 self._report()
-                if not committed and self.fail_fast:
+                if not committed and (self.fail_fast or self.fatal is not None):
                     scope.cancel()
                     return
 
@@ -379,6 +380,11 @@ class _Run:
             except SampleExistsError:
                 self.summary.skipped += 1  # another writer committed it meanwhile
                 return True
+            except StoreError as exc:
+                # The store refuses every later sample too (disk full, other provenance, damage):
+                # stop now rather than prefill the rest only to drop it.
+                self.fatal = exc
+                return False
             except HsdumpError as exc:
                 self.fail(sample, exc, attempt)
                 return False
@@ -399,7 +405,11 @@ class _Run:
     async def flush(self) -> None:
         with anyio.CancelScope(shield=True):
             async with self._write_lock:
-                await self.store.flush()
+                try:
+                    await self.store.flush()
+                except StoreError:
+                    if self.fatal is None:
+                        raise  # else a failed store refuses to flush: report what failed first
             self.count_stored()
 
     def fail(self, sample: Sample, exc: HsdumpError, attempts: int) -> None:
@@ -463,6 +473,10 @@ async def run_extraction(
 
     Returns:
         The summary; ``summary.ok`` is False when anything failed or the run was cancelled.
+
+    Raises:
+        StoreError: The store refused a write for a reason no retry fixes (no space left, a
+            sample of other provenance, damage): the run stops at once, committed samples kept.
     """
     if retries < 0 or concurrency < 1:
         raise ConfigError(
@@ -478,6 +492,8 @@ async def run_extraction(
             progress=progress, line_numbers=line_numbers, log=log, summary=summary,
         )  # fmt: skip
         await _drive(run, samples, concurrency)
+    if run.fatal is not None:
+        raise run.fatal
     return summary
 
 

@@ -148,6 +148,17 @@ def test_request_timeout_bounds_the_wait_for_the_http_response(fake, tmp_path):
     assert record["error"] == "ServerTimeout" and "within 0.2 s" in record["message"]
 
 
+def test_a_store_error_stops_the_run_with_one_message_and_exit_code_two(fake, tmp_path):
+    _extract_from(fake, tmp_path, _dataset(tmp_path / "d.jsonl", *_good(2)))
+    dataset = _dataset(tmp_path / "more.jsonl", *_good(8))
+    with FakeServer(tmp_path / "other-dumps", layer_ids=(1, 3, 5), hidden_size=8) as other:
+        result = _extract_from(other, tmp_path, dataset)
+        requested = len(other.received)
+    assert result.exit_code == 2, result.output
+    assert result.output.count("error:") == 1 and "layer_ids differs" in result.output
+    assert requested < 8 and _ids(tmp_path) == ["s0", "s1"]
+
+
 def test_an_unreachable_server_is_a_one_line_error_with_exit_code_two(tmp_path):
     dataset = _dataset(tmp_path / "d.jsonl", *_good(1))
     args = ["extract", str(dataset), "--out", str(tmp_path / "s.zarr")]

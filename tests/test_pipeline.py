@@ -24,14 +24,14 @@ class MemoryStore:
         self.samples: dict[str, HiddenStates] = dict.fromkeys(committed)  # type: ignore[arg-type]
         self.writes: list[str] = []
         self.bytes_raw = self.bytes_stored = self.pending = self.flushes = 0
-        self.refuse: set[str] = set()
+        self.refuse: dict[str, Exception] = {}
 
     def __contains__(self, sample_id: object) -> bool:
         return sample_id in self.samples
 
     async def write(self, states: HiddenStates) -> None:
         if states.sample_id in self.refuse:
-            raise StoreError(f"refused {states.sample_id}")
+            raise self.refuse[states.sample_id]
         self.samples[states.sample_id] = states
         self.writes.append(states.sample_id)
         self.pending += states.nbytes
@@ -112,11 +112,22 @@ async def test_fail_fast_stops_at_the_first_failure(server):
     assert store.writes == [] and len(summary.failures) == 1 and summary.interrupted
 
 
-async def test_a_store_error_fails_the_sample_and_the_run_goes_on(server):
+async def test_a_sample_the_store_refuses_fails_alone_and_the_run_goes_on(server):
     store = MemoryStore()
-    store.refuse.add("s1")
+    store.refuse["s1"] = InputError("shapes do not fit", sample_id="s1")
     summary = await _run(server, store, _samples(3))
-    assert store.writes == ["s0", "s2"] and [f.error for f in summary.failures] == ["StoreError"]
+    assert store.writes == ["s0", "s2"] and [f.error for f in summary.failures] == ["InputError"]
+
+
+async def test_a_store_error_stops_the_run_at_once_and_keeps_what_was_committed(server, tmp_path):
+    store, samples = MemoryStore(), _samples(10)
+    store.refuse["s1"] = StoreError("no space left on the device")
+    failures = tmp_path / "f.jsonl"
+    with pytest.raises(StoreError, match="no space left"):
+        await _run(server, store, samples, failures_path=failures)
+    assert store.writes == ["s0"] and store.flushes == 1
+    assert len(server.received) < len(samples)  # the rest is neither prefilled nor dropped
+    assert not failures.exists()  # no sample failed: the store did
 
 
 async def test_prior_failures_lead_the_failures_file(server, tmp_path):
