@@ -183,7 +183,7 @@ async def _prepare(options: dict[str, Any], url: str, dump_dir: Path | None) -> 
     from hsdump._client import HiddenStateClient
     from hsdump._inputs import InputLimits
 
-    client = HiddenStateClient(url, dump_dir=dump_dir, dump_timeout=options["dump_timeout"])
+    client = HiddenStateClient(url, dump_dir=dump_dir, **_client_options(options))
     async with client:
         return _read_dataset(options, InputLimits.from_server_info(client.server_info))
 
@@ -219,7 +219,7 @@ async def _extract(options: dict[str, Any], url: str, dump_dir: Path | None) -> 
         url,
         dump_dir=dump_dir,
         max_in_flight=options["concurrency"],
-        dump_timeout=options["dump_timeout"],
+        **_client_options(options),
     )
     async with client:
         limits = InputLimits.from_server_info(client.server_info)
