@@ -102,7 +102,7 @@ class HiddenStateClient:
         request_timeout: Seconds to wait for the HTTP response.
         dump_timeout: Seconds to wait for the dump once the response has arrived.
         watcher: A :class:`DumpWatcher`, or "inotify"/"poll" (default: inotify on Linux).
-        expected_layer_ids: Refuse dumps of other aux layers (default: learnt from the first dump).
+        expected_layer_ids: Refuse dumps of other aux layers (default: the producer manifest's).
         dump_budget_bytes: Most bytes of requested-but-not-ingested dumps (default: half of the
             free space of the dump root's filesystem).
         rid_prefix: The opt-in prefix the producer dumps (must match the server's setting).
@@ -174,6 +174,9 @@ class HiddenStateClient:
         try:
             self.server_info = await self._fetch_server_info()
             check_server_settings(self.server_info, self.manifest, self.base_url)
+            self._expected = Expected.from_manifest(
+                self.manifest, layer_ids=self._expected.layer_ids, server_info=self.server_info
+            )
             # torch takes seconds to import; pay that here rather than inside the first
             # extraction, where every request in flight would wait on the import lock.
             await anyio.to_thread.run_sync(importlib.import_module, "torch")

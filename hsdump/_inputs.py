@@ -20,7 +20,14 @@ from typing import Any
 from hsdump._exceptions import ConfigError, InputError
 from hsdump._types import Sample
 
-__all__ = ["BadLine", "Dataset", "InputLimits", "load_tokenizer", "read_dataset"]
+__all__ = [
+    "BadLine",
+    "Dataset",
+    "InputLimits",
+    "load_tokenizer",
+    "local_model_config",
+    "read_dataset",
+]
 
 # What ``errors="surrogateescape"`` turns each byte that is not UTF-8 into.
 _UNDECODABLE = re.compile("[\udc80-\udcff]")
@@ -59,14 +66,20 @@ class InputLimits:
         )
 
 
-def _local_vocab_size(model_path: object) -> int | None:
-    """``vocab_size`` from a local model directory's config (or its ``text_config``), else None."""
+def local_model_config(model_path: object) -> dict[str, Any]:
+    """The ``config.json`` of ``model_path`` when it is a local model directory, else ``{}``."""
     if not isinstance(model_path, str) or not model_path:
-        return None
+        return {}
     try:
         config = json.loads((Path(model_path) / "config.json").read_text())
     except (OSError, ValueError):
-        return None
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _local_vocab_size(model_path: object) -> int | None:
+    """``vocab_size`` from a local model directory's config (or its ``text_config``), else None."""
+    config = local_model_config(model_path)
     vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     return int(vocab) if isinstance(vocab, int) else None
 

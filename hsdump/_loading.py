@@ -43,6 +43,7 @@ def load_dump(path: Path, *, sample: Sample, rid: str, expected: Expected) -> Hi
     final = read_checked(
         path / FINAL_FILE, meta.final_shape, meta.dtype, "final_hidden_state", **context
     )
+    expected.remember(meta)  # only now: a refused dump must not set what the next are held to
     mask = None if sample.loss_mask is None else torch.tensor(sample.loss_mask, dtype=torch.uint8)
     return HiddenStates(
         sample_id=sample.id,

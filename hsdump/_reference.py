@@ -181,6 +181,9 @@ class ReferenceEngine:
             "max_req_input_len": self.context_length,
             "context_length": self.context_length,
             "vocab_size": self.vocab_size,
+            # Not in SGLang's body: they let a client check the producer manifest against the model.
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
             "skip_tokenizer_init": True,
             "tp_size": 1,
             "dp_size": 1,

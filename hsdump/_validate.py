@@ -8,7 +8,8 @@ request, what was expected and what was found. The value checks read the bf16/fp
 from __future__ import annotations
 
 import io
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,13 @@ from hsdump._exceptions import (
     LayerMismatch,
     NonFiniteValues,
     RidMismatch,
+    ServerConfigError,
     ServerResponseError,
     ShapeMismatch,
     TokenMismatch,
 )
-from hsdump._protocol import DumpMeta, check_file_size, storage_dtype
+from hsdump._inputs import local_model_config
+from hsdump._protocol import DumpMeta, ProducerManifest, check_file_size, storage_dtype
 
 __all__ = ["Expected", "check_response", "read_checked", "validate_meta"]
 
@@ -37,19 +40,65 @@ _EXP_MASK = {"bfloat16": 0x7F80, "float16": 0x7C00}
 # which slowed every other thread of a busy process on 16 cores; 8 MiB blocks cost 25% more
 # CPU per dump on 2 cores).
 _BLOCK_BYTES = 1 << 21
+# Far above any model's hidden size (the largest are ~2**15), far below sizes that overflow.
+_MAX_HIDDEN_SIZE = 1 << 20
 
 
 @dataclass
 class Expected:
-    """What every dump of a run must agree on; unset fields are learnt from the first dump."""
+    """What every dump of a run must agree on.
+
+    A client seeds every field from the producer manifest (:meth:`from_manifest`). Fields left
+    unset are learnt from the first dump that passes every check (:meth:`remember`), so a dump
+    that is refused never sets what the next ones are held to.
+    """
 
     layer_ids: list[int] | None = None
     hidden_size: int | None = None
     dtype: str | None = None
     final_norm: str | None = None
+    source: str = "the run's first dump"
+
+    @classmethod
+    def from_manifest(
+        cls,
+        manifest: ProducerManifest,
+        *,
+        layer_ids: Sequence[int] | None = None,
+        server_info: Mapping[str, Any] | None = None,
+    ) -> Expected:
+        """What the producer announced, checked for sane sizes and against the model's config.
+
+        Args:
+            manifest: The producer manifest read from the dump root.
+            layer_ids: The aux layers the caller asked for, instead of the announced ones.
+            server_info: The server's ``/server_info``: its ``hidden_size`` and
+                ``num_hidden_layers``, or those of ``config.json`` in its local ``model_path``.
+
+        Raises:
+            ServerConfigError: The manifest cannot describe this model's hidden states.
+        """
+        problem = (
+            _hidden_size_problem(manifest.hidden_size)
+            or _layers_problem(manifest.layer_ids)
+            or _model_problem(manifest, server_info or {})
+        )
+        if problem:
+            raise ServerConfigError(
+                f"the producer {manifest.producer.name} (pid {manifest.pid} on {manifest.host}) "
+                f"announces {problem}, so its dumps cannot be trusted. Restart the server; if "
+                "this persists, its capture settings or plugin are broken."
+            )
+        return cls(
+            layer_ids=list(layer_ids if layer_ids is not None else manifest.layer_ids),
+            hidden_size=manifest.hidden_size,
+            dtype=manifest.dtype,
+            final_norm=manifest.final_norm,
+            source=f"the producer manifest of {manifest.producer.name}",
+        )
 
     def check(self, meta: DumpMeta, sample_id: str) -> None:
-        """Compare ``meta`` with what is expected, then remember anything that was unset."""
+        """Raise unless ``meta`` agrees with what is expected and has sane sizes."""
         if self.layer_ids is not None and meta.layer_ids != self.layer_ids:
             raise LayerMismatch(
                 f"the dump holds layers {meta.layer_ids}, expected {self.layer_ids}. The server's "
@@ -57,18 +106,70 @@ class Expected:
                 sample_id=sample_id,
                 rid=meta.rid,
             )
-        for name, cls in (("hidden_size", ShapeMismatch), ("dtype", DtypeMismatch)):
+        for name, cls in (
+            ("hidden_size", ShapeMismatch),
+            ("dtype", DtypeMismatch),
+            ("final_norm", LayerMismatch),
+        ):
             want, got = getattr(self, name), getattr(meta, name)
             if want is not None and want != got:
                 raise cls(
-                    f"{name} is {got!r}, expected {want!r} like the run's earlier dumps",
+                    f"{name} is {got!r}, expected {want!r} (from {self.source})",
                     sample_id=sample_id,
                     rid=meta.rid,
                 )
+        for problem, error in (
+            (_hidden_size_problem(meta.hidden_size), ShapeMismatch),
+            (_layers_problem(meta.layer_ids), LayerMismatch),
+        ):
+            if problem:  # only reached while nothing is expected yet
+                raise error(f"the dump claims {problem}", sample_id=sample_id, rid=meta.rid)
+
+    def remember(self, meta: DumpMeta) -> None:
+        """Take what is still unset from ``meta``, a dump that passed every check."""
         self.layer_ids = self.layer_ids or list(meta.layer_ids)
         self.hidden_size = self.hidden_size or meta.hidden_size
         self.dtype = self.dtype or meta.dtype
         self.final_norm = self.final_norm or meta.final_norm
+
+
+def _hidden_size_problem(hidden_size: int) -> str | None:
+    """Why no model has this hidden size, if none has."""
+    if not 0 < hidden_size <= _MAX_HIDDEN_SIZE:
+        return f"hidden_size {hidden_size}, outside [1, {_MAX_HIDDEN_SIZE}]"
+    return None
+
+
+def _layers_problem(layer_ids: Sequence[int]) -> str | None:
+    """Why these cannot be the aux layers of any model, if they cannot."""
+    if not layer_ids:
+        return "no aux layers"
+    if min(layer_ids) < 0 or len(set(layer_ids)) != len(layer_ids):
+        return f"aux layers {list(layer_ids)}: ids are distinct hidden_states indices (0 or more)"
+    return None
+
+
+def _model_problem(manifest: ProducerManifest, info: Mapping[str, Any]) -> str | None:
+    """How the manifest disagrees with the model's own shape, where the server lets us see it."""
+    config = local_model_config(info.get("model_path") or manifest.model_path)
+    nested = config.get("text_config")
+    text: dict[str, Any] = nested if isinstance(nested, dict) else config  # as the plugin reads it
+    hidden = _positive_int(info.get("hidden_size")) or _positive_int(text.get("hidden_size"))
+    layers = _positive_int(info.get("num_hidden_layers")) or _positive_int(
+        text.get("num_hidden_layers")
+    )
+    if hidden is not None and hidden != manifest.hidden_size:
+        return f"hidden_size {manifest.hidden_size} for a model whose hidden size is {hidden}"
+    if layers is not None and max(manifest.layer_ids) >= layers:
+        return (
+            f"aux layers {manifest.layer_ids} for a model of {layers} decoder layers "
+            f"(ids lie in [0, {layers - 1}])"
+        )
+    return None
+
+
+def _positive_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def check_response(body: Any, *, rid: str, num_tokens: int, sample_id: str) -> None:
@@ -156,8 +257,15 @@ def read_checked(
     of a row) is all zeros. bf16 arrives as its raw bits (``uint16``: numpy has no bf16). One
     pass: ``readinto`` a block (no page faults on a mapping), then scan it from cache.
     """
-    out = np.empty(shape, storage_dtype(dtype))
-    check_file_size(file, out.nbytes, shape, sample_id=sample_id, rid=rid)
+    if min(shape, default=0) < 0:
+        raise ShapeMismatch(
+            f"{name} has shape {list(shape)}: a negative size", sample_id=sample_id, rid=rid
+        )
+    # The file must hold the claimed bytes before any are allocated: a lying meta.json could
+    # otherwise ask for terabytes.
+    np_dtype = storage_dtype(dtype)
+    check_file_size(file, math.prod(shape) * np_dtype.itemsize, shape, sample_id=sample_id, rid=rid)
+    out = np.empty(shape, np_dtype)
     if not out.size:
         return out
     rows = max(1, _BLOCK_BYTES // out[0].nbytes)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import httpx
@@ -16,7 +18,7 @@ import torch
 
 import hsdump
 from hsdump import HiddenStateClient, HiddenStates, Sample
-from hsdump._protocol import Capabilities
+from hsdump._protocol import Capabilities, request_dir
 from hsdump.testing import FakeServer, Fault, fake_states, publish
 
 pytestmark = pytest.mark.anyio
@@ -376,3 +378,94 @@ async def test_dump_budget_bounds_bytes_in_flight(server: FakeServer) -> None:
     assert 0 < peak <= budget
     assert client.budget.in_use == 0
     assert client.stats.requests == 24 and client.stats.tokens == 24 * 12
+
+
+def publish_claiming(root: Path, rid: str, ids: list[int], **claims: Any) -> Path:
+    """Publish a dump of ``ids`` whose meta.json claims ``claims``; its files match the claims'
+    shapes where that is a sane size, and are small otherwise."""
+    meta: dict[str, Any] = {
+        "rid": rid, "input_ids": ids, "num_tokens": len(ids), "layer_ids": list(LAYERS),
+        "final_norm": "post_norm", "hidden_size": HIDDEN, "dtype": "bfloat16",
+        "producer": {"name": "liar", "version": "1"}, **claims,
+    }  # fmt: skip
+    t, k, h = len(ids), len(meta["layer_ids"]), meta["hidden_size"]
+    meta |= {"aux_shape": [t, k, h], "final_shape": [t, h]}
+    tmp = root / f".tmp-req_{rid}-liar"
+    tmp.mkdir()
+    (tmp / "meta.json").write_text(json.dumps(meta))
+    one = b"\x00\x3c"  # 1.0 in float16 and a small positive number in bfloat16
+    for name, elements in (("aux.bin", t * k * h), ("final.bin", t * h)):
+        (tmp / name).write_bytes(one * max(0, min(elements, 1 << 16)))
+    (tmp / "done").touch()
+    tmp.rename(request_dir(root, rid))
+    return request_dir(root, rid)
+
+
+def lie_in_the_next_dump(server: FakeServer, **claims: Any) -> None:
+    honest = server.engine.dump
+
+    def dump(rid: str, ids: list[int], *_: object) -> Path:
+        server.engine.dump = honest  # type: ignore[method-assign]
+        return publish_claiming(server.dump_dir, rid, ids, **claims)
+
+    server.engine.dump = dump  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize(
+    ("claims", "error"),
+    [
+        ({"hidden_size": 2**40}, hsdump.ShapeMismatch),
+        ({"hidden_size": -1}, hsdump.ShapeMismatch),
+        ({"hidden_size": 0}, hsdump.ShapeMismatch),
+        ({"dtype": "float16"}, hsdump.DtypeMismatch),
+        ({"layer_ids": []}, hsdump.LayerMismatch),
+        ({"layer_ids": [1, 3, 5]}, hsdump.LayerMismatch),
+        ({"final_norm": "pre_norm"}, hsdump.LayerMismatch),
+    ],
+)
+async def test_a_first_dump_unlike_the_manifest_is_refused_and_sets_nothing(
+    client: HiddenStateClient, server: FakeServer, claims: dict[str, Any], error: type[Exception]
+) -> None:
+    lie_in_the_next_dump(server, **claims)
+    with pytest.raises(error) as info:
+        await client.extract(sample(20))
+    assert info.value.sample_id == "s20" and repr(next(iter(claims.values()))) in str(info.value)
+    for i in range(21, 24):  # the honest dumps after it are all accepted
+        s = sample(i)
+        assert_belongs_to(await client.extract(s), s)
+    assert request_dirs(server.dump_dir) == []
+
+
+@pytest.mark.parametrize(
+    ("settings", "found"),
+    [
+        ({"hidden_size": 0}, "hidden_size 0, outside [1,"),
+        ({"hidden_size": 2**40}, f"hidden_size {2**40}, outside [1,"),
+        ({"layer_ids": ()}, "no aux layers"),
+        ({"layer_ids": (2, 2)}, "aux layers [2, 2]"),
+        ({"layer_ids": (-1, 2)}, "aux layers [-1, 2]"),
+        ({"server_info": {"hidden_size": 64}}, "model whose hidden size is 64"),
+        ({"server_info": {"num_hidden_layers": 6}}, "a model of 6 decoder layers"),
+    ],
+)
+async def test_a_manifest_that_cannot_be_the_models_is_refused_at_open(
+    tmp_path: Path, settings: dict[str, Any], found: str
+) -> None:
+    settings = {"layer_ids": LAYERS, "hidden_size": HIDDEN, **settings}
+    with FakeServer(tmp_path, **settings) as srv:
+        with pytest.raises(hsdump.ServerConfigError, match="hsdump-fake") as info:
+            async with HiddenStateClient(srv.url, dump_dir=tmp_path):
+                pass
+    assert found in str(info.value)
+
+
+async def test_the_manifest_is_checked_against_the_local_model_config(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {"hidden_size": 7, "text_config": {"hidden_size": HIDDEN * 2, "num_hidden_layers": 8}}
+    (model / "config.json").write_text(json.dumps(config))
+    dumps = tmp_path / "dumps"
+    with FakeServer(dumps, server_info={"model_path": str(model)}) as srv:
+        with pytest.raises(hsdump.ServerConfigError, match=f"hidden size is {HIDDEN * 2}"):
+            async with HiddenStateClient(srv.url, dump_dir=dumps):
+                pass

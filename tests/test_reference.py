@@ -109,6 +109,8 @@ def test_server_info_reports_the_settings_the_client_checks(server):
     info = httpx.get(f"{server.url}/get_server_info", timeout=30).json()
     assert info["disable_radix_cache"] is True and info["chunked_prefill_size"] == -1
     assert (info["vocab_size"], info["max_req_input_len"]) == (512, 128)
+    assert info["hidden_size"] == TINY["hidden_size"]  # a client checks the manifest against these
+    assert info["num_hidden_layers"] == TINY["num_hidden_layers"]
     assert info["model_path"] and info["version"]
 
 

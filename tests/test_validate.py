@@ -3,6 +3,7 @@ do not hold what the metadata says are refused."""
 
 from __future__ import annotations
 
+import re
 import tempfile
 from pathlib import Path
 
@@ -12,8 +13,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hsdump import DegenerateValues, DumpValidationError, NonFiniteValues
-from hsdump._validate import read_checked
+from hsdump import (
+    DegenerateValues,
+    DtypeMismatch,
+    DumpValidationError,
+    NonFiniteValues,
+    Sample,
+    ShapeMismatch,
+)
+from hsdump._loading import load_dump
+from hsdump._protocol import DumpMeta, ProducerInfo, write_dump
+from hsdump._validate import Expected, read_checked
 
 TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -99,3 +109,69 @@ def test_an_empty_tensor_reads_as_empty(tmp_path: Path) -> None:
     file = tmp_path / "aux.bin"
     file.touch()
     assert read_checked(file, (0, 2, 8), "bfloat16", "aux", rid="hsdump-r").shape == (0, 2, 8)
+
+
+@pytest.mark.parametrize("hidden", [2**40, 2**62])
+def test_a_shape_larger_than_the_file_is_refused_before_anything_is_allocated(
+    tmp_path: Path, hidden: int
+) -> None:
+    file = tmp_path / "aux.bin"
+    np.ones((12, 3, 8), np.uint16).tofile(file)
+    with pytest.raises(DumpValidationError, match=f"holds {file.stat().st_size} bytes, expected"):
+        read_checked(file, (12, 3, hidden), "bfloat16", "aux", sample_id="s1", rid="hsdump-r")
+
+
+def test_a_negative_size_is_a_shape_mismatch(tmp_path: Path) -> None:
+    file = tmp_path / "aux.bin"
+    file.touch()
+    with pytest.raises(ShapeMismatch, match=r"aux has shape \[12, 3, -1\]") as info:
+        read_checked(file, (12, 3, -1), "bfloat16", "aux", sample_id="s1", rid="hsdump-r")
+    assert info.value.sample_id == "s1"
+
+
+def dump_of(root: Path, rid: str, ids: list[int], dtype: str, fill: int) -> Path:
+    """Publish a dump of ``ids`` (2 layers, H=4) whose every 16-bit value is ``fill``."""
+    t = len(ids)
+    meta = DumpMeta(
+        rid=rid, input_ids=ids, num_tokens=t, layer_ids=[1, 2], final_norm="post_norm",
+        hidden_size=4, dtype=dtype, aux_shape=(t, 2, 4), final_shape=(t, 4),
+        producer=ProducerInfo(name="test", version="1"),
+    )  # fmt: skip
+    aux, final = np.full((t, 2, 4), fill, np.uint16), np.full((t, 4), fill, np.uint16)
+    return write_dump(root, meta, aux, final)
+
+
+def test_a_refused_dump_sets_nothing_the_next_dumps_are_held_to(tmp_path: Path) -> None:
+    expected = Expected()  # nothing announced: learnt from the first dump that passes
+    s = Sample("s1", [1, 2, 3])
+    nan = dump_of(tmp_path, "hsdump-a", [1, 2, 3], "float16", 0x7E00)
+    with pytest.raises(NonFiniteValues):
+        load_dump(nan, sample=s, rid="hsdump-a", expected=expected)
+    good = dump_of(tmp_path, "hsdump-b", [1, 2, 3], "bfloat16", 0x3F80)
+    assert load_dump(good, sample=s, rid="hsdump-b", expected=expected).meta is not None
+    assert (expected.dtype, expected.layer_ids, expected.hidden_size) == ("bfloat16", [1, 2], 4)
+    other = dump_of(tmp_path, "hsdump-c", [1, 2, 3], "float16", 0x3C00)
+    with pytest.raises(DtypeMismatch, match="'float16', expected 'bfloat16'"):
+        load_dump(other, sample=s, rid="hsdump-c", expected=expected)
+
+
+@pytest.mark.parametrize(
+    ("layers", "hidden", "found"),
+    [([1, 2], 0, "hidden_size 0, outside"), ([], 4, "no aux layers"), ([2, 2], 4, "[2, 2]")],
+)
+def test_a_dump_of_impossible_sizes_is_refused_when_nothing_is_expected_yet(
+    tmp_path: Path, layers: list[int], hidden: int, found: str
+) -> None:
+    meta = DumpMeta(
+        rid="hsdump-a", input_ids=[1], num_tokens=1, layer_ids=layers, final_norm="post_norm",
+        hidden_size=hidden, dtype="bfloat16", aux_shape=(1, len(layers), hidden),
+        final_shape=(1, hidden), producer=ProducerInfo(name="test", version="1"),
+    )  # fmt: skip
+    path = tmp_path / "req_hsdump-a"
+    path.mkdir()
+    (path / "meta.json").write_text(meta.model_dump_json())
+    np.full(len(layers) * hidden, 0x3F80, np.uint16).tofile(path / "aux.bin")
+    np.full(hidden, 0x3F80, np.uint16).tofile(path / "final.bin")
+    (path / "done").touch()
+    with pytest.raises(DumpValidationError, match=re.escape(found)):
+        load_dump(path, sample=Sample("s1", [1]), rid="hsdump-a", expected=Expected())
