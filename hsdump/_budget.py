@@ -7,6 +7,8 @@ from pathlib import Path
 
 import anyio
 
+from hsdump._exceptions import ConfigError
+
 __all__ = ["ByteBudget", "default_budget_bytes"]
 
 ENV_BUDGET = "HSDUMP_DUMP_BUDGET_BYTES"
@@ -15,10 +17,24 @@ DEFAULT_FRACTION = 0.5
 
 def default_budget_bytes(root: Path) -> int:
     """``$HSDUMP_DUMP_BUDGET_BYTES``, else half of the free space of ``root``'s filesystem."""
-    if os.environ.get(ENV_BUDGET):
-        return int(os.environ[ENV_BUDGET])
+    text = os.environ.get(ENV_BUDGET, "").strip()
+    if text:
+        return _parse_budget(text)
     stats = os.statvfs(root)
     return int(stats.f_bavail * stats.f_frsize * DEFAULT_FRACTION)
+
+
+def _parse_budget(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ConfigError(
+            f"{ENV_BUDGET} must be a whole number of bytes above 0, got {text!r}: for example "
+            f"{ENV_BUDGET}=2000000000 for 2 GB, or unset it for half of the dump root's free space"
+        )
+    return value
 
 
 class ByteBudget:

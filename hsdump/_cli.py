@@ -322,8 +322,6 @@ def extract(
 ) -> None:
     """Extract a dataset into a store (see EXTRACT_HELP)."""
     _setup_logging(verbose)
-    if server_url is None and dump_dir is not None and not dump_dir.is_dir():
-        dump_dir.mkdir(parents=True, exist_ok=True)
     options: dict[str, Any] = {
         "dataset": _data_path(dataset),
         "out": out,

@@ -7,6 +7,7 @@ tensor is handed out.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib
 import logging
@@ -171,7 +172,8 @@ class HiddenStateClient:
         self.manifest = self._live_manifest()
         if self._http is None:
             self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self.request_timeout)
-        try:
+        async with contextlib.AsyncExitStack() as stack:  # a failed step undoes those before it
+            stack.push_async_callback(self._close_http)
             self.server_info = await self._fetch_server_info()
             check_server_settings(self.server_info, self.manifest, self.base_url)
             self._expected = Expected.from_manifest(
@@ -180,14 +182,14 @@ class HiddenStateClient:
             # torch takes seconds to import; pay that here rather than inside the first
             # extraction, where every request in flight would wait on the import lock.
             await anyio.to_thread.run_sync(importlib.import_module, "torch")
-        except BaseException:
-            await self._close_http()
-            raise
-        self._lease = ClientLease(self.dump_dir, self.rid_prefix)
-        remove_stale(self.dump_dir, rid_prefix=self.rid_prefix, stale_after=self.stale_after)
-        self._watcher = self._make_watcher()
-        limit = self._budget_arg or default_budget_bytes(self.dump_dir)
-        self.budget = ByteBudget(limit)
+            self._lease = ClientLease(self.dump_dir, self.rid_prefix)
+            stack.callback(self._lease.release)
+            remove_stale(self.dump_dir, rid_prefix=self.rid_prefix, stale_after=self.stale_after)
+            self._watcher = self._make_watcher()
+            stack.push_async_callback(self._watcher.aclose)
+            limit = self._budget_arg or default_budget_bytes(self.dump_dir)
+            self.budget = ByteBudget(limit)
+            self._resources = stack.pop_all()
         self._state = _State.OPEN
 
     async def aclose(self) -> None:
@@ -197,13 +199,12 @@ class HiddenStateClient:
             return
         self._state = _State.CLOSED
         self._sweep_abandoned()
-        await self._watcher.aclose()
-        await self._close_http()
-        self._lease.release()
+        await self._resources.aclose()  # the watcher, the client id, then the HTTP client
 
     async def _close_http(self) -> None:
         if self._own_http and self._http is not None:
             await self._http.aclose()
+            self._http = None  # a later open() makes a new one
 
     def _make_watcher(self) -> DumpWatcher:
         if self._watcher_arg is None or isinstance(self._watcher_arg, str):

@@ -18,6 +18,7 @@ import time
 import uuid
 from pathlib import Path
 
+from hsdump._exceptions import ConfigError
 from hsdump._protocol import DEFAULT_RID_PREFIX, REQ_PREFIX, TMP_PREFIX
 
 __all__ = ["ClientLease", "remove_stale"]
@@ -34,14 +35,25 @@ class ClientLease:
         self.client_id = uuid.uuid4().hex[:12]
         self.rid_prefix = rid_prefix
         directory = root / CLIENTS_DIR
-        directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / f"{self.client_id}.lock"
         # Lock under a temporary name, then rename: a lease is never visible unlocked.
         tmp = directory / f".{self.client_id}.tmp"
-        self._fd: int | None = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.write(self._fd, f"{os.getpid()}\n".encode())
-        os.rename(tmp, self.path)
+        self._fd: int | None = None
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            self._fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.write(self._fd, f"{os.getpid()}\n".encode())
+            os.rename(tmp, self.path)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            self.release()
+            raise ConfigError(
+                f"cannot take a client id in {directory}: {exc.strerror or exc}. A client needs "
+                f"to write in the dump root {root}: run as a user who may write there, or pass "
+                "the dump root this server writes to (--dump-dir, HSDUMP_DUMP_DIR)"
+            ) from exc
 
     def new_rid(self) -> str:
         """A fresh rid owned by this client."""

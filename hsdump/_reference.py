@@ -360,8 +360,14 @@ class ReferenceServer:
 
     def start(self) -> None:
         """Announce the producer in the dump root and start serving."""
-        self.dump_dir.mkdir(parents=True, exist_ok=True)
-        self._manifest_path = write_manifest(self.dump_dir, self.engine.manifest())
+        try:
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+            self._manifest_path = write_manifest(self.dump_dir, self.engine.manifest())
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot write to the dump root {self.dump_dir}: {exc.strerror or exc}. Choose a "
+                "directory this user may write (--dump-dir, HSDUMP_DUMP_DIR)"
+            ) from exc
         try:
             self._http.start()
         except BaseException:

@@ -169,6 +169,16 @@ def test_an_unreachable_server_is_a_one_line_error_with_exit_code_two(tmp_path):
     assert "Traceback" not in result.output
 
 
+def test_an_unwritable_dump_root_is_a_one_line_error_with_exit_code_two(model_dir, tmp_path):
+    (tmp_path / "file").write_text("")
+    dataset = _dataset(tmp_path / "d.jsonl", *_good(1))
+    args = ["extract", str(dataset), "--out", str(tmp_path / "s.zarr"), "--model", str(model_dir)]
+    result = runner.invoke(app, [*args, "--dump-dir", str(tmp_path / "file" / "dumps")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "error: cannot write to the dump root" in result.output
+    assert str(tmp_path / "file" / "dumps") in result.output.replace("\n", "")
+
+
 def test_a_missing_dataset_is_a_one_line_error(model_dir, tmp_path):
     result = _extract(model_dir, tmp_path, tmp_path / "missing.jsonl")
     assert result.exit_code == 2 and "cannot read the dataset" in result.output

@@ -326,6 +326,38 @@ async def test_prompts_longer_than_the_server_accepts_are_input_errors(tmp_path:
         assert srv.received == []
 
 
+def open_resources(root: Path, port: int) -> tuple[list[str], int, int]:
+    """Client ids held in ``root``, this process's inotify descriptors, and TCP connections to
+    ``port`` (each established connection appears once from either end)."""
+    leases = sorted(p.name for p in (root / "_clients").glob("*.lock"))
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # the descriptor listdir itself used is gone
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    tcp = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    connected = [f for f in map(str.split, tcp) if f[3] == "01"]  # 01: ESTABLISHED
+    ends = sum(int(addr.split(":")[1], 16) == port for f in connected for addr in f[1:3])
+    return leases, links.count("anon_inode:inotify"), ends
+
+
+async def test_a_bad_dump_budget_is_a_config_error_and_open_leaks_nothing(
+    server: FakeServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = open_resources(server.dump_dir, server.port)
+    monkeypatch.setenv("HSDUMP_DUMP_BUDGET_BYTES", "2GB")
+    with pytest.raises(hsdump.ConfigError, match=r"HSDUMP_DUMP_BUDGET_BYTES.*'2GB'"):
+        async with HiddenStateClient(server.url, dump_dir=server.dump_dir):
+            pass
+    assert open_resources(server.dump_dir, server.port) == before
+
+
+async def test_an_unwritable_dump_root_is_a_config_error_naming_it(server: FakeServer) -> None:
+    (server.dump_dir / "_clients").write_text("")  # where client ids go cannot be a directory
+    with pytest.raises(hsdump.ConfigError, match=r"cannot take a client id in .*_clients"):
+        async with HiddenStateClient(server.url, dump_dir=server.dump_dir):
+            pass
+
+
 async def test_a_closed_client_refuses_reuse(server: FakeServer) -> None:
     client = HiddenStateClient(server.url, dump_dir=server.dump_dir)
     async with client:
