@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hsdump._protocol import AUX_FILE, FINAL_FILE, read_meta
+from hsdump._protocol import AUX_FILE, FINAL_FILE, open_dump_dir, read_meta
 from hsdump._types import HiddenStates
 from hsdump._validate import Expected, read_checked, validate_meta
 
@@ -31,14 +31,23 @@ def to_torch(array: np.ndarray, dtype: str) -> torch.Tensor:
 
 
 def load_dump(path: Path, *, sample: Sample, rid: str, expected: Expected) -> HiddenStates:
-    """Read the dump at ``path``, check it belongs to ``sample`` (sent as ``rid``), and load it."""
+    """Read the dump at ``path``, check it belongs to ``sample`` (sent as ``rid``), and load it.
+
+    The directory is opened without following a link and every file is read relative to it, so a
+    dump that is a link or holds one is refused (DumpValidationError), never read.
+    """
+    with open_dump_dir(path, sample_id=sample.id, rid=rid) as dir_fd:
+        return _load(path, dir_fd, sample=sample, rid=rid, expected=expected)
+
+
+def _load(path: Path, dir_fd: int, *, sample: Sample, rid: str, expected: Expected) -> HiddenStates:
     import torch
 
-    meta = read_meta(path, sample_id=sample.id)
+    meta = read_meta(path, sample_id=sample.id, dir_fd=dir_fd)
     validate_meta(
         meta, path, rid=rid, input_ids=sample.input_ids, sample_id=sample.id, expected=expected
     )
-    context = {"sample_id": sample.id, "rid": rid}
+    context: dict[str, Any] = {"sample_id": sample.id, "rid": rid, "dir_fd": dir_fd}
     aux = read_checked(path / AUX_FILE, meta.aux_shape, meta.dtype, "aux_hidden_states", **context)
     final = read_checked(
         path / FINAL_FILE, meta.final_shape, meta.dtype, "final_hidden_state", **context

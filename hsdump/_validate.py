@@ -29,7 +29,13 @@ from hsdump._exceptions import (
     TokenMismatch,
 )
 from hsdump._inputs import local_model_config
-from hsdump._protocol import DumpMeta, ProducerManifest, check_file_size, storage_dtype
+from hsdump._protocol import (
+    DumpMeta,
+    ProducerManifest,
+    check_file_size,
+    open_dump_file,
+    storage_dtype,
+)
 
 __all__ = ["Expected", "check_response", "read_checked", "validate_meta"]
 
@@ -250,8 +256,12 @@ def read_checked(
     *,
     sample_id: str | None = None,
     rid: str,
+    dir_fd: int | None = None,
 ) -> np.ndarray:
     """Read a dump's tensor file into fresh memory, checking each block while it is in cache.
+
+    ``file`` is opened without following a link, relative to ``dir_fd`` (the dump's directory
+    from :func:`~hsdump._protocol.open_dump_dir`) when given.
 
     Raises unless the file holds exactly ``shape`` and every value is finite and no row (or layer
     of a row) is all zeros. bf16 arrives as its raw bits (``uint16``: numpy has no bf16). One
@@ -270,7 +280,7 @@ def read_checked(
         return out
     rows = max(1, _BLOCK_BYTES // out[0].nbytes)
     try:
-        with open(file, "rb", buffering=0) as fh:
+        with open_dump_file(file, dir_fd=dir_fd, sample_id=sample_id, rid=rid) as fh:
             for start in range(0, shape[0], rows):
                 block = out[start : start + rows]
                 _read_exact(fh, block, file, sample_id=sample_id, rid=rid)

@@ -19,7 +19,7 @@ import torch
 import hsdump
 from hsdump import HiddenStateClient, HiddenStates, Sample
 from hsdump._protocol import Capabilities, request_dir
-from hsdump.testing import FakeServer, Fault, fake_states, publish
+from hsdump.testing import FakeEngine, FakeServer, Fault, fake_states, publish
 
 pytestmark = pytest.mark.anyio
 LAYERS, HIDDEN = (2, 4, 6), 32
@@ -74,7 +74,7 @@ async def test_each_request_has_a_fresh_rid_and_cache_key(
 ) -> None:
     await client.extract(sample(0))
     await client.extract(sample(0))
-    first, second = server.received
+    first, second = server.received[-2:]
     assert first.rid != second.rid and first.extra_key != second.extra_key
     assert first.sampling_params["max_new_tokens"] == 0
 
@@ -215,8 +215,8 @@ async def test_layers_changing_mid_run_are_refused(
 
 
 async def test_a_dump_that_never_completes_times_out_cleanly(server: FakeServer) -> None:
-    server.inject(Fault("no_dump"))
     async with HiddenStateClient(server.url, dump_dir=server.dump_dir, dump_timeout=0.2) as client:
+        server.inject(Fault("no_dump"))
         with pytest.raises(hsdump.DumpTimeout, match=r"within 0\.2 s") as info:
             await client.extract(sample(9))
         assert info.value.transient
@@ -224,22 +224,27 @@ async def test_a_dump_that_never_completes_times_out_cleanly(server: FakeServer)
 
 
 async def test_a_late_dump_after_a_timeout_is_removed(server: FakeServer) -> None:
-    server.inject(Fault("response_first", delay=0.4))
+    s = sample(10)
     async with HiddenStateClient(server.url, dump_dir=server.dump_dir, dump_timeout=0.1) as client:
+        server.inject(Fault("no_dump"))
         with pytest.raises(hsdump.DumpTimeout):
-            await client.extract(sample(10))
-        await anyio.sleep(0.6)
+            await client.extract(s)
+        late = server.engine.dump(server.received[-1].rid, list(s.input_ids))
+        assert late.exists()  # published after the client gave up on it
     assert request_dirs(server.dump_dir) == []
 
 
 @contextlib.contextmanager
-def stalled(server: FakeServer) -> Iterator[threading.Event]:
-    """The server takes the next opted-in request in and answers only when the block ends."""
+def stalled(server: FakeServer, then: Fault | None = None) -> Iterator[threading.Event]:
+    """The server takes the next opted-in request in (the event is set), and goes on with it
+    (applying ``then``) only when the block ends."""
     arrived, release = threading.Event(), threading.Event()
 
-    def hold(rid: str, ids: list[int]) -> None:
+    def hold(rid: str, ids: list[int]) -> Fault | None:
+        server.engine.fault_for = None  # only this request
         arrived.set()
         release.wait(30)
+        return then
 
     server.engine.fault_for = hold
     try:
@@ -252,19 +257,79 @@ async def test_an_http_timeout_is_a_server_timeout_not_a_dump_timeout(server: Fa
     async with HiddenStateClient(
         server.url, dump_dir=server.dump_dir, request_timeout=0.2
     ) as client:
-        with stalled(server), pytest.raises(hsdump.ServerTimeout, match=r"within 0\.2 s") as info:
+        with (
+            stalled(server, then=Fault("no_dump")),
+            pytest.raises(hsdump.ServerTimeout, match=r"within 0\.2 s") as info,
+        ):
             await client.extract(sample(18))
     assert info.value.transient and info.value.sample_id == "s18"
 
 
 async def test_cancelling_extract_mid_flight_leaves_nothing_behind(server: FakeServer) -> None:
-    server.inject(Fault("response_first", delay=0.3))
+    cancelled = sample(11)
     async with HiddenStateClient(server.url, dump_dir=server.dump_dir) as client:
-        with anyio.move_on_after(0.1):
-            await client.extract(sample(11))
-        await anyio.sleep(0.5)
+        with stalled(server, then=Fault("no_dump")) as arrived:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client.extract, cancelled)
+                await anyio.to_thread.run_sync(arrived.wait, 10)  # at the server, unanswered
+                tg.cancel_scope.cancel()
+        late = server.engine.dump(server.received[-1].rid, list(cancelled.input_ids))
+        assert late.exists()  # published after the cancellation
         s = sample(12)
         assert_belongs_to(await client.extract(s), s)  # also sweeps the late dump
+    assert request_dirs(server.dump_dir) == []
+
+
+def forge(root: Path, rid: str, ids: list[int]) -> Path:
+    """A neighbour's dump of request ``rid`` for ``ids``, as valid as the server's would be."""
+    engine = FakeEngine(
+        root, layer_ids=LAYERS, hidden_size=HIDDEN, latency=0, server_info={}, fault_for=None
+    )
+    return engine.dump(rid, ids)
+
+
+@pytest.mark.parametrize("target", ["outside_the_root", "another_request"])
+async def test_a_dump_planted_as_a_link_is_refused_and_its_target_kept(
+    client: HiddenStateClient,
+    server: FakeServer,
+    tmp_path_factory: pytest.TempPathFactory,
+    target: str,
+) -> None:
+    """A neighbour wins the race to ``req_<rid>`` with a link to a dump elsewhere."""
+    root, planted = server.dump_dir, []
+
+    def plant(rid: str, ids: list[int]) -> Fault:
+        if target == "outside_the_root":
+            theirs = forge(tmp_path_factory.mktemp("outside"), rid, ids)
+        else:
+            theirs = forge(root, "hsdump-another", ids)
+        (root / f"req_{rid}").symlink_to(theirs)
+        planted.append(theirs)
+        return Fault("no_dump")
+
+    server.engine.fault_for = plant
+    with pytest.raises(hsdump.DumpValidationError, match="is a symbolic link") as info:
+        await client.extract(sample(18))
+    assert info.value.sample_id == "s18"
+    assert {p.name for p in planted[0].iterdir()} == {"meta.json", "aux.bin", "final.bin", "done"}
+    assert request_dirs(root) == (["req_hsdump-another"] if target == "another_request" else [])
+
+
+async def test_a_dump_holding_a_link_is_refused_and_the_linked_file_kept(
+    client: HiddenStateClient, server: FakeServer, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    secret = tmp_path_factory.mktemp("outside") / "aux.bin"
+
+    def plant(rid: str, ids: list[int]) -> Fault:
+        path = forge(server.dump_dir, rid, ids)
+        (path / "aux.bin").rename(secret)
+        (path / "aux.bin").symlink_to(secret)
+        return Fault("no_dump")
+
+    server.engine.fault_for = plant
+    with pytest.raises(hsdump.DumpValidationError, match=r"aux\.bin is a symbolic link"):
+        await client.extract(sample(19))
+    assert secret.exists()
     assert request_dirs(server.dump_dir) == []
 
 
@@ -284,6 +349,33 @@ async def test_server_going_down_mid_run_is_transient(server: FakeServer) -> Non
         with pytest.raises(hsdump.ServerUnavailable) as info:
             await client.extract(sample(14))
         assert info.value.transient
+
+
+async def test_a_dump_root_announcing_other_layers_than_the_server_is_refused(
+    tmp_path: Path,
+) -> None:
+    info = {"return_aux_hidden_state_layer_ids": [2, 4, 5]}
+    with (
+        FakeServer(tmp_path / "a", layer_ids=(1, 3, 6)),
+        FakeServer(tmp_path / "b", layer_ids=(2, 4, 5), server_info=info) as b,
+    ):
+        with pytest.raises(hsdump.ServerConfigError) as error:
+            async with HiddenStateClient(b.url, dump_dir=tmp_path / "a"):
+                pass
+        assert b.received == []
+    message = str(error.value)
+    assert all(part in message for part in (b.url, "[2, 4, 5]", str(tmp_path / "a"), "[1, 3, 6]"))
+
+
+async def test_a_server_dumping_into_another_root_fails_its_probe_at_open(tmp_path: Path) -> None:
+    with FakeServer(tmp_path / "a") as a, FakeServer(tmp_path / "b") as b:
+        with pytest.raises(hsdump.ServerNotDumping) as error:
+            async with HiddenStateClient(b.url, dump_dir=a.dump_dir, dump_timeout=0.3):
+                pass
+        (probe,) = b.received
+        assert a.received == [] and request_dirs(a.dump_dir) == []
+    message = str(error.value)
+    assert all(part in message for part in (b.url, str(a.dump_dir), probe.rid, "hsdump-fake"))
 
 
 async def test_no_manifest_means_the_server_is_not_dumping(tmp_path: Path) -> None:
@@ -320,7 +412,7 @@ async def test_chunked_prefill_is_fine_when_the_producer_assembles_chunks(tmp_pa
 
 async def test_prompts_longer_than_the_server_accepts_are_input_errors(tmp_path: Path) -> None:
     with FakeServer(tmp_path, server_info={"max_req_input_len": 4}) as srv:
-        async with HiddenStateClient(srv.url, dump_dir=tmp_path) as client:
+        async with HiddenStateClient(srv.url, dump_dir=tmp_path, probe=False) as client:
             with pytest.raises(hsdump.InputError, match="at most 4"):
                 await client.extract(sample(16, n=5))
         assert srv.received == []

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,7 @@ from hsdump._protocol import (
     is_opted_in,
     read_dump,
     read_manifests,
+    remove_dump,
     request_dir,
     validate_rid,
     write_dump,
@@ -129,6 +132,49 @@ def test_meta_is_json_and_tensors_are_raw_bytes_never_pickle(tmp_path: Path) -> 
     path = write_dump(tmp_path, meta(), *arrays())
     json.loads((path / "meta.json").read_text())
     assert (path / "aux.bin").stat().st_size == 4 * 2 * 8 * 2
+
+
+def test_a_dump_that_is_a_link_is_refused(tmp_path: Path) -> None:
+    theirs = write_dump(tmp_path / "elsewhere", meta(), *arrays())
+    link = request_dir(tmp_path / "root", "hsdump-a")
+    link.parent.mkdir()
+    link.symlink_to(theirs)
+    refusal = re.escape(f"{link} is a symbolic link to {theirs}")
+    with pytest.raises(DumpValidationError, match=refusal) as info:
+        read_dump(link, sample_id="s1")
+    assert info.value.rid == "hsdump-a" and info.value.sample_id == "s1"
+    assert "writable only by" in str(info.value)
+
+
+def test_removing_a_dump_that_is_a_link_removes_the_link_not_its_target(tmp_path: Path) -> None:
+    other = write_dump(tmp_path, meta("hsdump-other"), *arrays())  # another request's dump
+    link = request_dir(tmp_path, "hsdump-a")
+    link.symlink_to(other)
+    remove_dump(link)
+    assert not os.path.lexists(link)
+    assert {p.name for p in other.iterdir()} == {"meta.json", "aux.bin", "final.bin", "done"}
+
+
+@pytest.mark.parametrize("name", ["meta.json", "aux.bin", "final.bin", "done"])
+def test_a_dump_holding_a_link_is_refused_and_removed_without_following_it(
+    tmp_path: Path, name: str
+) -> None:
+    path = write_dump(tmp_path / "root", meta(), *arrays())
+    outside = tmp_path / "outside"
+    (path / name).rename(outside)
+    (path / name).symlink_to(outside)
+    with pytest.raises(DumpValidationError, match=re.escape(f"{path / name} is a symbolic link")):
+        read_dump(path)
+    remove_dump(path)
+    assert not os.path.lexists(path) and outside.exists()
+
+
+def test_a_fifo_in_a_files_place_is_refused_without_blocking(tmp_path: Path) -> None:
+    path = write_dump(tmp_path, meta(), *arrays())
+    (path / "meta.json").unlink()
+    os.mkfifo(path / "meta.json")  # opening one to read would wait for a writer forever
+    with pytest.raises(DumpValidationError, match=r"meta\.json is a FIFO, expected a regular"):
+        read_dump(path)
 
 
 @pytest.mark.parametrize("rid", ["../x", "a/b", "", ".x", "x" * 201, "a b", "..", "-x"])
