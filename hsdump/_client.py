@@ -45,17 +45,21 @@ from hsdump._protocol import (
     remove_dump,
     request_dir,
 )
+from hsdump._types import Sample
 from hsdump._validate import Expected, check_response
 from hsdump._watcher import DumpWatcher, default_watcher
 
 if TYPE_CHECKING:
-    from hsdump._types import HiddenStates, Sample
+    from hsdump._types import HiddenStates
 
 __all__ = ["ClientStats", "HiddenStateClient"]
 
 logger = logging.getLogger(__name__)
 # What a dump holds beside its tensors: meta.json (token ids as JSON text) and the markers.
 _META_BYTES, _META_BYTES_PER_TOKEN = 4096, 16
+# The probe at open: one token, and a short wait, since a dump normally follows its response.
+_PROBE, _PROBE_DUMP_WAIT = Sample(id="hsdump-probe", input_ids=[0]), 5.0
+_DECLARED_LAYERS = "return_aux_hidden_state_layer_ids"  # in /server_info, when the server says
 
 
 class _State(enum.Enum):
@@ -112,6 +116,10 @@ class HiddenStateClient:
         gate: An async context manager held while a request is at the server, instead of this
             client's own lock or semaphore of ``max_in_flight``, so that several clients (in
             several processes) share one bound.
+        probe: At open, send one tiny opted-in request and wait briefly (at most
+            ``dump_timeout``, 5 s by default) for its dump, so a server paired with another
+            server's dump root is refused at once, not after a dump timeout per sample. False
+            skips it (for tests that count requests or queue faults before opening).
     """
 
     def __init__(
@@ -129,6 +137,7 @@ class HiddenStateClient:
         stale_after: float = 3600.0,
         http_client: httpx.AsyncClient | None = None,
         gate: AbstractAsyncContextManager[Any] | None = None,
+        probe: bool = True,
     ):
         if max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be at least 1, got {max_in_flight}")
@@ -139,6 +148,7 @@ class HiddenStateClient:
         self.dump_timeout = dump_timeout
         self.rid_prefix = rid_prefix
         self.stale_after = stale_after
+        self.probe = probe
         self.stats = ClientStats()
         self.server_info: dict[str, Any] = {}
         self.manifest: ProducerManifest | None = None
@@ -176,6 +186,7 @@ class HiddenStateClient:
             stack.push_async_callback(self._close_http)
             self.server_info = await self._fetch_server_info()
             check_server_settings(self.server_info, self.manifest, self.base_url)
+            check_same_producer(self.server_info, self.manifest, self.base_url, self.dump_dir)
             self._expected = Expected.from_manifest(
                 self.manifest, layer_ids=self._expected.layer_ids, server_info=self.server_info
             )
@@ -189,6 +200,8 @@ class HiddenStateClient:
             stack.push_async_callback(self._watcher.aclose)
             limit = self._budget_arg or default_budget_bytes(self.dump_dir)
             self.budget = ByteBudget(limit)
+            if self.probe:
+                await self._probe()
             self._resources = stack.pop_all()
         self._state = _State.OPEN
 
@@ -300,8 +313,9 @@ class HiddenStateClient:
         self.stats.bytes += states.nbytes
         self.stats.ingest_s += ingest_s
 
-    async def _request(self, sample: Sample, rid: str) -> Path:
+    async def _request(self, sample: Sample, rid: str, dump_timeout: float | None = None) -> Path:
         """Send the request and wait for both its response and its dump."""
+        dump_timeout = self.dump_timeout if dump_timeout is None else dump_timeout
         found: dict[str, Path] = {}
         dump_seen = anyio.Event()
         error: BaseException | None = None
@@ -310,7 +324,7 @@ class HiddenStateClient:
             try:
                 await self._send(sample, rid)
                 waited = time.perf_counter()
-                with anyio.fail_after(self.dump_timeout):
+                with anyio.fail_after(dump_timeout):
                     await dump_seen.wait()
                 self.stats.dump_wait_s += time.perf_counter() - waited
             except HsdumpError as exc:  # first: ServerTimeout is a TimeoutError too
@@ -319,7 +333,7 @@ class HiddenStateClient:
                 error = DumpTimeout(
                     "the server answered, but no dump appeared in "
                     f"{request_dir(self.dump_dir, rid)}"
-                    f" within {self.dump_timeout:g} s. Is the server dumping into this directory "
+                    f" within {dump_timeout:g} s. Is the server dumping into this directory "
                     f"(HSDUMP_DUMP_DIR) with the rid prefix {self.rid_prefix!r}?",
                     sample_id=sample.id,
                     rid=rid,
@@ -367,6 +381,35 @@ class HiddenStateClient:
             )
         body = _json(response, "POST /generate", sample_id=sample.id, rid=rid)
         check_response(body, rid=rid, num_tokens=len(sample.input_ids), sample_id=sample.id)
+
+    async def _probe(self) -> None:
+        """One prefill of a single token whose dump must appear in this client's dump root."""
+        rid, wait = self._lease.new_rid(), min(self.dump_timeout, _PROBE_DUMP_WAIT)
+        path = None
+        try:
+            async with self._gate:
+                path = await self._request(_PROBE, rid, dump_timeout=wait)
+        except DumpTimeout as exc:
+            raise ServerNotDumping(self._not_here(rid, wait)) from exc
+        finally:
+            if path is None:
+                self._abandon(rid)
+        remove_dump(path)
+
+    def _not_here(self, rid: str, wait: float) -> str:
+        m = self.manifest
+        assert m is not None
+        declared = self.server_info.get(_DECLARED_LAYERS)
+        says = f"layers {declared}" if declared is not None else "no aux layers in /server_info"
+        return (
+            f"the server at {self.base_url} answered the probe request {rid}, but no dump "
+            f"appeared in {self.dump_dir} within {wait:g} s: that server dumps somewhere else (or "
+            f"not with the rid prefix {self.rid_prefix!r}). {self.dump_dir} is filled by "
+            f"{m.producer.name} (pid {m.pid} on {m.host}, layers {m.layer_ids}, model "
+            f"{m.model_path or 'unknown'}); the server at {self.base_url} reports {says}. Pass "
+            f"the dump root of the server at {self.base_url} (--dump-dir, HSDUMP_DUMP_DIR), or "
+            f"the URL of the server that fills {self.dump_dir}."
+        )
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -421,6 +464,22 @@ def _json(response: httpx.Response, what: str, **context: Any) -> Any:
             status_code=response.status_code,
             **context,
         ) from exc
+
+
+def check_same_producer(
+    info: dict[str, Any], manifest: ProducerManifest, url: str, dump_dir: Path
+) -> None:
+    """Refuse a dump root announced by a producer with other aux layers than the server's."""
+    declared = info.get(_DECLARED_LAYERS)
+    if declared is None or list(declared) == manifest.layer_ids:
+        return
+    raise ServerConfigError(
+        f"the server at {url} reports aux layers {list(declared)} ({_DECLARED_LAYERS}), but "
+        f"{dump_dir} is announced by {manifest.producer.name} (pid {manifest.pid} on "
+        f"{manifest.host}) with layers {manifest.layer_ids}: the dump root belongs to another "
+        f"server. Pass the dump root of the server at {url} (--dump-dir, HSDUMP_DUMP_DIR), or "
+        f"the URL of the server that fills {dump_dir}."
+    )
 
 
 def check_server_settings(info: dict[str, Any], manifest: ProducerManifest, url: str) -> None:

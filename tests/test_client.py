@@ -74,7 +74,7 @@ async def test_each_request_has_a_fresh_rid_and_cache_key(
 ) -> None:
     await client.extract(sample(0))
     await client.extract(sample(0))
-    first, second = server.received
+    first, second = server.received[-2:]
     assert first.rid != second.rid and first.extra_key != second.extra_key
     assert first.sampling_params["max_new_tokens"] == 0
 
@@ -215,8 +215,8 @@ async def test_layers_changing_mid_run_are_refused(
 
 
 async def test_a_dump_that_never_completes_times_out_cleanly(server: FakeServer) -> None:
-    server.inject(Fault("no_dump"))
     async with HiddenStateClient(server.url, dump_dir=server.dump_dir, dump_timeout=0.2) as client:
+        server.inject(Fault("no_dump"))
         with pytest.raises(hsdump.DumpTimeout, match=r"within 0\.2 s") as info:
             await client.extract(sample(9))
         assert info.value.transient
@@ -224,22 +224,27 @@ async def test_a_dump_that_never_completes_times_out_cleanly(server: FakeServer)
 
 
 async def test_a_late_dump_after_a_timeout_is_removed(server: FakeServer) -> None:
-    server.inject(Fault("response_first", delay=0.4))
+    s = sample(10)
     async with HiddenStateClient(server.url, dump_dir=server.dump_dir, dump_timeout=0.1) as client:
+        server.inject(Fault("no_dump"))
         with pytest.raises(hsdump.DumpTimeout):
-            await client.extract(sample(10))
-        await anyio.sleep(0.6)
+            await client.extract(s)
+        late = server.engine.dump(server.received[-1].rid, list(s.input_ids))
+        assert late.exists()  # published after the client gave up on it
     assert request_dirs(server.dump_dir) == []
 
 
 @contextlib.contextmanager
-def stalled(server: FakeServer) -> Iterator[threading.Event]:
-    """The server takes the next opted-in request in and answers only when the block ends."""
+def stalled(server: FakeServer, then: Fault | None = None) -> Iterator[threading.Event]:
+    """The server takes the next opted-in request in (the event is set), and goes on with it
+    (applying ``then``) only when the block ends."""
     arrived, release = threading.Event(), threading.Event()
 
-    def hold(rid: str, ids: list[int]) -> None:
+    def hold(rid: str, ids: list[int]) -> Fault | None:
+        server.engine.fault_for = None  # only this request
         arrived.set()
         release.wait(30)
+        return then
 
     server.engine.fault_for = hold
     try:
@@ -252,17 +257,24 @@ async def test_an_http_timeout_is_a_server_timeout_not_a_dump_timeout(server: Fa
     async with HiddenStateClient(
         server.url, dump_dir=server.dump_dir, request_timeout=0.2
     ) as client:
-        with stalled(server), pytest.raises(hsdump.ServerTimeout, match=r"within 0\.2 s") as info:
+        with (
+            stalled(server, then=Fault("no_dump")),
+            pytest.raises(hsdump.ServerTimeout, match=r"within 0\.2 s") as info,
+        ):
             await client.extract(sample(18))
     assert info.value.transient and info.value.sample_id == "s18"
 
 
 async def test_cancelling_extract_mid_flight_leaves_nothing_behind(server: FakeServer) -> None:
-    server.inject(Fault("response_first", delay=0.3))
+    cancelled = sample(11)
     async with HiddenStateClient(server.url, dump_dir=server.dump_dir) as client:
-        with anyio.move_on_after(0.1):
-            await client.extract(sample(11))
-        await anyio.sleep(0.5)
+        with stalled(server, then=Fault("no_dump")) as arrived:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(client.extract, cancelled)
+                await anyio.to_thread.run_sync(arrived.wait, 10)  # at the server, unanswered
+                tg.cancel_scope.cancel()
+        late = server.engine.dump(server.received[-1].rid, list(cancelled.input_ids))
+        assert late.exists()  # published after the cancellation
         s = sample(12)
         assert_belongs_to(await client.extract(s), s)  # also sweeps the late dump
     assert request_dirs(server.dump_dir) == []
@@ -339,6 +351,33 @@ async def test_server_going_down_mid_run_is_transient(server: FakeServer) -> Non
         assert info.value.transient
 
 
+async def test_a_dump_root_announcing_other_layers_than_the_server_is_refused(
+    tmp_path: Path,
+) -> None:
+    info = {"return_aux_hidden_state_layer_ids": [2, 4, 5]}
+    with (
+        FakeServer(tmp_path / "a", layer_ids=(1, 3, 6)),
+        FakeServer(tmp_path / "b", layer_ids=(2, 4, 5), server_info=info) as b,
+    ):
+        with pytest.raises(hsdump.ServerConfigError) as error:
+            async with HiddenStateClient(b.url, dump_dir=tmp_path / "a"):
+                pass
+        assert b.received == []
+    message = str(error.value)
+    assert all(part in message for part in (b.url, "[2, 4, 5]", str(tmp_path / "a"), "[1, 3, 6]"))
+
+
+async def test_a_server_dumping_into_another_root_fails_its_probe_at_open(tmp_path: Path) -> None:
+    with FakeServer(tmp_path / "a") as a, FakeServer(tmp_path / "b") as b:
+        with pytest.raises(hsdump.ServerNotDumping) as error:
+            async with HiddenStateClient(b.url, dump_dir=a.dump_dir, dump_timeout=0.3):
+                pass
+        (probe,) = b.received
+        assert a.received == [] and request_dirs(a.dump_dir) == []
+    message = str(error.value)
+    assert all(part in message for part in (b.url, str(a.dump_dir), probe.rid, "hsdump-fake"))
+
+
 async def test_no_manifest_means_the_server_is_not_dumping(tmp_path: Path) -> None:
     with FakeServer(tmp_path, announce=False) as srv:
         with pytest.raises(hsdump.ServerNotDumping, match="no server is dumping"):
@@ -373,7 +412,7 @@ async def test_chunked_prefill_is_fine_when_the_producer_assembles_chunks(tmp_pa
 
 async def test_prompts_longer_than_the_server_accepts_are_input_errors(tmp_path: Path) -> None:
     with FakeServer(tmp_path, server_info={"max_req_input_len": 4}) as srv:
-        async with HiddenStateClient(srv.url, dump_dir=tmp_path) as client:
+        async with HiddenStateClient(srv.url, dump_dir=tmp_path, probe=False) as client:
             with pytest.raises(hsdump.InputError, match="at most 4"):
                 await client.extract(sample(16, n=5))
         assert srv.received == []

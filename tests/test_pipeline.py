@@ -54,7 +54,10 @@ def server(tmp_path):
 
 
 async def _run(server, store, samples, **options):
-    async with HiddenStateClient(server.url, dump_dir=server.dump_dir, dump_timeout=5) as client:
+    # No probe at open: these tests queue faults for, and count, the samples' requests.
+    async with HiddenStateClient(
+        server.url, dump_dir=server.dump_dir, dump_timeout=5, probe=False
+    ) as client:
         return await run_extraction(samples, client=client, store=store, backoff=NO_WAIT, **options)
 
 
