@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from hsdump._codecs import torch_dtype_name
-from hsdump._exceptions import InputError, StoreError
+from hsdump._exceptions import InputError, StoreCorruptedError, StoreError
 
 if TYPE_CHECKING:
     import zarr
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ROOT_KEY",
     "check_tensors",
+    "child_groups",
     "describe",
     "ids_int32",
     "local_dir",
@@ -58,6 +59,12 @@ def open_root(path: Any, mode: Mode) -> zarr.Group:
         root = zarr.open_group(store=store, mode="r")  # another writer created it meanwhile
     except OSError as exc:
         raise os_error(exc, where) from exc
+    except Exception as exc:  # zarr raises anything from TypeError to JSONDecodeError
+        raise StoreCorruptedError(
+            f"{where}/zarr.json is damaged: cannot decode: {type(exc).__name__}: {exc}. Restore "
+            'it from a backup, or write it anew: {"zarr_format": 3, "node_type": "group", '
+            f'"attributes": {{"{ROOT_KEY}": {{"format": "hsdump-store", "version": 1}}}}}}'
+        ) from exc
     if ROOT_KEY not in root.attrs:
         raise StoreError(f"{where} is a zarr group but not an hsdump store: choose another path")
     if mode == "w":
@@ -80,6 +87,19 @@ def _create_root(store: Any, where: str) -> zarr.Group | None:
         return None
     except OSError as exc:
         raise os_error(exc, where) from exc
+
+
+def child_groups(root: zarr.Group) -> list[str]:
+    """Names of the root's children that hold a ``zarr.json``, without decoding any of them."""
+    from zarr.core.sync import sync
+
+    store, path = root.store, root.store_path.path
+    prefix = f"{path}/" if path else ""
+
+    async def names() -> list[str]:
+        return [n async for n in store.list_dir(path)]
+
+    return [n for n in sync(names()) if sync(store.exists(f"{prefix}{n}/zarr.json"))]
 
 
 def _is_local(path: Any) -> bool:

@@ -2,13 +2,15 @@
 
 Layout of ``part-<writer_id>/``::
 
-    zarr.json        attributes["hsdump_part"]: PartState, rewritten atomically (the commit point)
+    zarr.json        attributes["hsdump_part"]: PartState, rewritten atomically (the commit point),
+                     and "hsdump_part_crc32": its checksum (see hsdump._integrity)
     hidden     [tokens, K+1, H]  float bits (uint16 for bf16): K aux layers, then the final state;
                                  a sample's rows are contiguous and start on a chunk boundary
     input_ids  [tokens]          int32
     loss_mask  [tokens]          uint8
     index/rows      [n, 4] int64 offset, length, has_mask, crc32 of the sample's stored bytes
     index/sample_id [n]    str
+    index/tokens    [n]    uint64 digest of the sample's token ids and loss mask (0: not recorded)
 
 Samples are gathered in an in-RAM shard buffer and a shard is written once it is full (appending to
 an existing shard would make zarr read and rewrite it whole). A sample is committed when all of its
@@ -31,9 +33,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hsdump._codecs import bits_dtype, hidden_compressors, small_compressors
+from hsdump._integrity import (
+    STATE_CRC_KEY,
+    damaged,
+    extend_index_checksum,
+    open_array,
+    state_attributes,
+    state_crc,
+    stored_token_digest,
+)
 from hsdump._provenance import Provenance
 from hsdump._shardbuf import Piece, ShardBuffer, place_sample
 from hsdump._shardio import FlatChunks, ShardIO, codec_pool
@@ -45,6 +56,7 @@ if TYPE_CHECKING:
 __all__ = [
     "COMMIT_INTERVAL_S",
     "PART_PREFIX",
+    "IndexChecksum",
     "PartIndex",
     "PartLayout",
     "PartState",
@@ -81,8 +93,19 @@ class PartLayout(_Frozen):
     compression: str
 
 
+class IndexChecksum(_Frozen):
+    """Running CRC-32s of a part's committed index entries, in order (see hsdump._integrity)."""
+
+    rows: int
+    sample_ids: int
+    tokens: int
+
+
 class PartState(_Frozen):
-    """The committed state of a part (its ``zarr.json`` attribute ``hsdump_part``)."""
+    """The committed state of a part (its ``zarr.json`` attribute ``hsdump_part``).
+
+    ``index_crc`` is None in parts whose index was last committed before it existed.
+    """
 
     format: Literal["hsdump-part"] = "hsdump-part"
     version: Literal[1] = 1
@@ -96,28 +119,73 @@ class PartState(_Frozen):
     layout: PartLayout | None = None
     provenance: Provenance | None = None
     stats: list[LayerStats] = []
+    index_crc: IndexChecksum | None = None
 
 
 @dataclass
 class PartIndex:
-    """The committed rows of one part, held in RAM."""
+    """The committed rows of one part, held in RAM.
+
+    ``tokens`` holds each sample's token digest (0 for samples written before digests existed).
+    """
 
     name: str
     state: PartState
     sample_ids: list[str] = field(default_factory=list)
     rows: np.ndarray = field(default_factory=lambda: np.zeros((0, 4), np.int64))
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
 
 
-def load_part_index(group: zarr.Group, name: str) -> PartIndex:
-    """Read a part's committed state and index rows (rows past the counter are never read)."""
-    state = PartState.model_validate(group.attrs[STATE_KEY])
+def load_part_index(group: zarr.Group, name: str, where: str) -> PartIndex:
+    """Read a part's committed state and index, checked against their checksums where recorded.
+
+    Rows past the counter are never read.
+
+    Raises:
+        StoreCorruptedError: A metadata file cannot be decoded or fails its checksum (named).
+    """
+    state = _load_state(group, f"{where}/{name}/zarr.json")
     n = state.n_committed
     if not n:
         return PartIndex(name, state)
-    arrays: Any = group
-    rows = np.asarray(arrays["index/rows"][:n], dtype=np.int64)
-    sids = [str(s) for s in np.asarray(arrays["index/sample_id"][:n]).tolist()]
-    return PartIndex(name, state, sids, rows)
+    base = f"{where}/{name}/index"
+    rows = _read_index(group, "index/rows", n, f"{base}/rows").astype(np.int64)
+    sids = [str(s) for s in _read_index(group, "index/sample_id", n, f"{base}/sample_id").tolist()]
+    if state.index_crc is None:  # not covered: no digests were recorded either
+        return PartIndex(name, state, sids, rows, np.zeros(n, np.uint64))
+    tokens = _read_index(group, "index/tokens", n, f"{base}/tokens").astype(np.uint64)
+    found = extend_index_checksum(None, rows, sids, tokens)
+    for key, file in (("rows", "rows"), ("sample_ids", "sample_id"), ("tokens", "tokens")):
+        got, want = getattr(found, key), getattr(state.index_crc, key)
+        if got != want:
+            raise damaged(f"{base}/{file}", f"checksum {got:#010x} != committed {want:#010x}")
+    return PartIndex(name, state, sids, rows, tokens)
+
+
+def _load_state(group: zarr.Group, file: str) -> PartState:
+    attrs = group.attrs
+    raw, crc = attrs.get(STATE_KEY), attrs.get(STATE_CRC_KEY)
+    if crc is not None and crc != (found := state_crc(raw)):
+        raise damaged(file, f"the part state's checksum {found:#010x} != recorded {crc!r}")
+    try:
+        return PartState.model_validate(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the state"
+        raise damaged(file, f"the part state does not parse ({where}: {first['msg']})") from exc
+
+
+def _read_index(group: zarr.Group, key: str, n: int, file: str) -> np.ndarray:
+    """The first ``n`` entries of an index array; every decode failure names the array."""
+    try:
+        values = np.asarray(group[key][:n])  # type: ignore[index]
+    except OSError:
+        raise  # the store reports I/O errors as such
+    except Exception as exc:  # zarr and its codecs raise anything from KeyError to RuntimeError
+        raise damaged(file, f"cannot decode: {type(exc).__name__}: {exc}") from exc
+    if values.shape[0] != n:
+        raise damaged(file, f"holds {values.shape[0]} entries, the part committed {n}")
+    return values
 
 
 @dataclass
@@ -129,6 +197,7 @@ class _Pending:
     crc: Future[int]
     raw_bytes: int
     stats: Future[list[LayerStats]]
+    tokens: int
 
 
 def shard_writers() -> int:
@@ -143,9 +212,10 @@ def shard_writers() -> int:
 class PartWriter:
     """Appends samples to one part. Not thread-safe: the store serialises calls."""
 
-    def __init__(self, group: zarr.Group, index: PartIndex, *, on_commit: Any) -> None:
+    def __init__(self, group: zarr.Group, index: PartIndex, *, on_commit: Any, where: str) -> None:
         self.group = group
         self.index = index
+        self._where = where
         self._on_commit = on_commit
         self._pending: list[_Pending] = []
         self.pending_ids: set[str] = set()
@@ -210,8 +280,9 @@ class PartWriter:
             self._flush_shard(shard, full=True)
         self._pad_after(offset + length)
         raw = aux.nbytes + final.nbytes
+        tokens = stored_token_digest(ids, mask)
         self._pending.append(
-            _Pending(sample_id, offset, length, int(mask is not None), crc, raw, stats)
+            _Pending(sample_id, offset, length, int(mask is not None), crc, raw, stats, tokens)
         )
         self.pending_ids.add(sample_id)
         self._commit_ready()
@@ -352,9 +423,16 @@ class PartWriter:
         n0, state = self.state.n_committed, self.state
         n1 = n0 + len(ready)
         rows = np.array([[p.offset, p.length, p.has_mask, p.crc.result()] for p in ready], np.int64)
+        sids = [p.sample_id for p in ready]
+        tokens = np.array([p.tokens for p in ready], np.uint64)
         self._ensure_index_capacity(n1)
         self._arrays["rows"][n0:n1] = rows
-        self._arrays["sample_id"][n0:n1] = np.array([p.sample_id for p in ready], dtype=object)
+        self._arrays["sample_id"][n0:n1] = np.array(sids, dtype=object)
+        self._arrays["tokens"][n0:n1] = tokens
+        covered = state.index_crc
+        if covered is None:  # a part from before index checksums: cover what it holds from now on
+            index = self.index
+            covered = extend_index_checksum(None, index.rows, index.sample_ids, index.tokens)
         stats = state.stats
         for p in ready:
             stats = merge_layer_lists(stats, p.stats.result())
@@ -365,13 +443,15 @@ class PartWriter:
                 "bytes_raw": state.bytes_raw + sum(p.raw_bytes for p in ready),
                 "provenance": state.provenance or self._pending_provenance,
                 "stats": stats,
+                "index_crc": extend_index_checksum(covered, rows, sids, tokens),
             }
         )
         # The commit point: one atomic rewrite of the part's zarr.json.
-        self.group.update_attributes({STATE_KEY: new_state.model_dump(mode="json")})
+        self.group.update_attributes(state_attributes(STATE_KEY, new_state.model_dump(mode="json")))
         self.index.state = new_state
-        self.index.sample_ids.extend(p.sample_id for p in ready)
+        self.index.sample_ids.extend(sids)
         self.index.rows = np.concatenate([self.index.rows, rows])
+        self.index.tokens = np.concatenate([self.index.tokens, tokens])
         self._pending = self._pending[len(ready) :]
         self.pending_ids.difference_update(p.sample_id for p in ready)
         self._on_commit(self.index, n0, n1)
@@ -422,17 +502,33 @@ class PartWriter:
         self.group.create_array(
             "index/sample_id", shape=(_INDEX_CHUNK,), chunks=(_INDEX_CHUNK,), dtype=str, **idx
         )
-        self._open_arrays(layout)
+        self._open_arrays(layout)  # creates index/tokens
+
+    def _create_tokens_index(self, capacity: int) -> None:
+        self.group.create_array(
+            "index/tokens",
+            shape=(capacity,),
+            chunks=(_INDEX_CHUNK,),
+            dtype="uint64",
+            fill_value=0,
+            compressors=small_compressors(),
+            overwrite=True,
+        )
 
     def _open_arrays(self, layout: PartLayout) -> None:
-        g = self.group
-        self._arrays = {
-            "hidden": g["hidden"],
-            "input_ids": g["input_ids"],
-            "loss_mask": g["loss_mask"],
-            "rows": g["index/rows"],
-            "sample_id": g["index/sample_id"],
+        keys = {
+            "hidden": "hidden",
+            "input_ids": "input_ids",
+            "loss_mask": "loss_mask",
+            "rows": "index/rows",
+            "sample_id": "index/sample_id",
         }
+        self._arrays = {n: open_array(self.group, k, self._where) for n, k in keys.items()}
+        if self.state.index_crc is None:
+            # Nothing committed with digests (a new part, or one written before they existed):
+            # every committed digest is 0, so the array is made anew.
+            self._create_tokens_index(self._arrays["rows"].shape[0])
+        self._arrays["tokens"] = open_array(self.group, "index/tokens", self._where)
         self._shards = ShardIO(self._arrays["hidden"], layout)
         self._ids_chunks = FlatChunks(self._arrays["input_ids"])
         self._mask_chunks = FlatChunks(self._arrays["loss_mask"])
@@ -453,6 +549,7 @@ class PartWriter:
         cap = -(-n // _INDEX_CHUNK) * _INDEX_CHUNK
         self._arrays["rows"].resize((cap, 4))
         self._arrays["sample_id"].resize((cap,))
+        self._arrays["tokens"].resize((cap,))
 
     # -- resume ----------------------------------------------------------------------------------
 

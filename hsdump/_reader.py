@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CorruptSample", "PartReader", "VerifyReport", "verify_parts"]
 
+_SAMPLE_ARRAYS = ("hidden", "input_ids", "loss_mask")
+
 
 class CorruptSample(BaseModel):
     """A sample that failed verification."""
@@ -57,8 +59,9 @@ class VerifyReport(BaseModel):
 class PartReader:
     """Reads samples of one part by row; opens the arrays on first use."""
 
-    def __init__(self, root: zarr.Group, index: PartIndex) -> None:
+    def __init__(self, root: zarr.Group, index: PartIndex, *, where: str) -> None:
         self._root = root
+        self._where = where
         self._arrays: tuple[Any, Any, Any] | None = None
         self.index = index
 
@@ -77,12 +80,14 @@ class PartReader:
 
     def _open(self) -> tuple[Any, Any, Any]:
         if self._arrays is None:
+            from hsdump._integrity import open_array
             from hsdump._shardio import FlatChunks, ShardIO
 
             g: Any = self._root[self.index.name]
+            hidden, ids, mask = (open_array(g, k, self._where) for k in _SAMPLE_ARRAYS)
             assert self.index.state.layout is not None
-            shards = ShardIO(g["hidden"], self.index.state.layout)
-            self._arrays = (shards, FlatChunks(g["input_ids"]), FlatChunks(g["loss_mask"]))
+            shards = ShardIO(hidden, self.index.state.layout)
+            self._arrays = (shards, FlatChunks(ids), FlatChunks(mask))
             shards.stable_below = self._committed_end
         return self._arrays
 
@@ -118,6 +123,8 @@ class PartReader:
             raise _corrupted(sid, self.index.name, where, reason)
         try:
             bits, ids, mask = self.read_raw(row)
+        except StoreCorruptedError as exc:  # damaged metadata: the message names the file
+            raise StoreCorruptedError(str(exc), sample_id=sid) from exc
         except Exception as exc:
             raise _corrupted(sid, self.index.name, where, f"{type(exc).__name__}: {exc}") from exc
         state = self.index.state

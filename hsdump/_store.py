@@ -24,6 +24,7 @@ import numpy as np
 from hsdump._backend import (
     Mode,
     check_tensors,
+    child_groups,
     describe,
     ids_int32,
     local_dir,
@@ -34,12 +35,14 @@ from hsdump._backend import (
 from hsdump._codecs import Compression, chunk_tokens_for, codec_description
 from hsdump._exceptions import (
     ConfigError,
+    HsdumpError,
     InputError,
     ProvenanceMismatch,
     SampleExistsError,
     SampleNotFoundError,
     StoreError,
 )
+from hsdump._integrity import damaged, state_attributes
 from hsdump._part import (
     PART_PREFIX,
     STATE_KEY,
@@ -120,7 +123,11 @@ def open_store(
 
 
 def verify_store(path: str | os.PathLike[str] | Any) -> VerifyReport:
-    """Recompute the checksum of every committed sample of the store at ``path``."""
+    """Recompute the checksum of every committed sample of the store at ``path``.
+
+    Raises:
+        StoreCorruptedError: A metadata file (a part's state or index) is damaged; it is named.
+    """
     with open_store(path, "r") as store:
         return store.verify()
 
@@ -176,11 +183,12 @@ class HiddenStateStore:
         with self._lock:
             own = self._writer.index if self._writer else None
             indexes = [
-                own if own and own.name == name else load_part_index(g, name)
+                own if own and own.name == name else self._load_index(g, name)
                 for name, g in self._parts()
             ]
             self._readers = {
-                i.name: self._readers.get(i.name) or PartReader(self._root, i) for i in indexes
+                i.name: self._readers.get(i.name) or PartReader(self._root, i, where=self.where)
+                for i in indexes
             }
             for index in indexes:
                 self._readers[index.name].index = index
@@ -188,12 +196,45 @@ class HiddenStateStore:
             for index in indexes:
                 self._add_rows(index, 0, index.state.n_committed)
 
-    def _parts(self) -> list[tuple[str, zarr.Group]]:
+    def _load_index(self, group: zarr.Group, name: str) -> PartIndex:
         try:
-            groups = [(n, g) for n, g in self._root.groups() if n.startswith(PART_PREFIX)]
+            return load_part_index(group, name, self.where)
         except OSError as exc:
             raise os_error(exc, self.where) from exc
-        return sorted((n, g) for n, g in groups if STATE_KEY in g.attrs)
+
+    def _parts(self) -> list[tuple[str, zarr.Group]]:
+        """The parts, each opened alone so that a damaged one is named."""
+        try:
+            names = [n for n in child_groups(self._root) if n.startswith(PART_PREFIX)]
+        except OSError as exc:
+            raise os_error(exc, self.where) from exc
+        parts = []
+        for name in sorted(names):
+            group = self._open_part(name)
+            attrs = group.attrs
+            if STATE_KEY in attrs:
+                parts.append((name, group))
+            elif attrs:  # a part being created has no attributes yet; any other lost its state
+                found = ", ".join(map(repr, attrs))
+                raise damaged(
+                    f"{self.where}/{name}/zarr.json",
+                    f"no part state {STATE_KEY!r} among its attributes ({found})",
+                )
+        return parts
+
+    def _open_part(self, name: str) -> zarr.Group:
+        import zarr
+
+        file = f"{self.where}/{name}/zarr.json"
+        try:
+            group = self._root[name]
+        except OSError as exc:
+            raise os_error(exc, self.where) from exc
+        except Exception as exc:  # zarr raises anything from TypeError to JSONDecodeError
+            raise damaged(file, f"cannot decode: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(group, zarr.Group):
+            raise damaged(file, "it describes an array, not a part's group")
+        return group
 
     def _add_rows(self, index: PartIndex, n0: int, n1: int) -> None:
         for row in range(n0, n1):
@@ -211,14 +252,19 @@ class HiddenStateStore:
             group = self._root.require_group(name)
             self._lock_fd = lock_part(self._root, name, self.where)
             if STATE_KEY not in group.attrs:
-                group.update_attributes(
-                    {STATE_KEY: PartState(writer_id=writer_id).model_dump(mode="json")}
-                )
-            index = load_part_index(group, name)
-            writer = PartWriter(group, index, on_commit=self._on_commit)
+                state = PartState(writer_id=writer_id).model_dump(mode="json")
+                group.update_attributes(state_attributes(STATE_KEY, state))
+            index = load_part_index(group, name, self.where)
+            writer = PartWriter(group, index, on_commit=self._on_commit, where=self.where)
         except OSError as exc:
             raise os_error(exc, self.where) from exc
-        self._readers[name] = PartReader(self._root, index)
+        except HsdumpError:
+            raise
+        except Exception as exc:  # zarr could not decode the part's arrays to resume them
+            raise damaged(
+                f"{self.where}/{name}", f"cannot resume it: {type(exc).__name__}: {exc}"
+            ) from exc
+        self._readers[name] = PartReader(self._root, index, where=self.where)
         self._cleanup_partials(name)
         return writer
 
@@ -494,6 +540,14 @@ class HiddenStateStore:
         return out
 
     def verify(self, sample_ids: list[str] | None = None, *, progress: Any = None) -> VerifyReport:
-        """Re-read committed samples and compare their checksums; see :class:`VerifyReport`."""
+        """Re-read committed samples and compare their checksums; see :class:`VerifyReport`.
+
+        Every part's state and index are re-read from the store first and checked too.
+
+        Raises:
+            StoreCorruptedError: A metadata file is damaged; it is named.
+        """
+        for name, group in self._parts():
+            self._load_index(group, name)
         targets = list(self._where) if sample_ids is None else sample_ids
         return verify_parts(self._readers, self._where, targets, self.duplicates, progress=progress)

@@ -484,3 +484,89 @@ def test_a_store_another_writer_creates_while_this_one_opens_is_joined(
         second.write_sync(make_sample(2))
     with open_store(path, "r") as store:
         assert sorted(store) == ["s1", "s2"]
+
+
+def _written(tmp_path: Path, n: int = 4) -> Path:
+    path = tmp_path / "s.zarr"
+    with open_test_store(str(path)) as store:
+        for i in range(n):
+            store.write_sync(make_sample(i))
+    return path
+
+
+def test_a_changed_sample_id_is_found_on_open_and_by_verify(tmp_path: Path) -> None:
+    import zarr
+
+    path = _written(tmp_path)
+    reader = open_store(path, "r")  # opened before the damage: verify() reads the index again
+    zarr.open_array(path / "part-default" / "index" / "sample_id", mode="r+")[1] = "s9"
+    for check in (reader.verify, lambda: open_store(path, "r"), lambda: verify_store(path)):
+        with pytest.raises(StoreCorruptedError, match=r"index/sample_id is damaged: checksum"):
+            check()
+
+
+def test_changed_statistics_are_found_by_the_part_state_checksum(tmp_path: Path) -> None:
+    import json
+
+    path = _written(tmp_path)
+    meta = path / "part-default" / "zarr.json"
+    doc = json.loads(meta.read_text())
+    doc["attributes"]["hsdump_part"]["stats"][0]["mean"] += 1.0
+    meta.write_text(json.dumps(doc))
+    with pytest.raises(StoreCorruptedError, match=r"part-default/zarr.json is damaged: .*checksum"):
+        open_store(path, "r")
+
+
+@pytest.mark.parametrize(
+    ("file", "named"),
+    [
+        ("zarr.json", "s.zarr/zarr.json"),
+        ("part-default/zarr.json", "part-default/zarr.json"),
+        ("part-default/index/rows/zarr.json", "index/rows"),
+        ("part-default/index/rows/c/0/0", "index/rows"),
+        ("part-default/index/sample_id/c/0", "index/sample_id"),
+        ("part-default/index/tokens/c/0", "index/tokens"),
+    ],
+)
+@pytest.mark.parametrize("mode", ["r", "a"])
+def test_undecodable_metadata_is_a_store_error_naming_the_file(
+    tmp_path: Path, file: str, named: str, mode: str
+) -> None:
+    path = _written(tmp_path)
+    damaged = path / file
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # breaks JSON and zstd frames alike
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(StoreCorruptedError, match=rf"{named}.* is damaged: .*backup"):
+        open_store(path, mode)  # type: ignore[arg-type]
+
+
+def _as_written_before_metadata_checksums(path: Path) -> None:
+    """Remove what the metadata checksums added: the store then looks like an older one."""
+    import json
+    import shutil
+
+    meta = path / "part-default" / "zarr.json"
+    doc = json.loads(meta.read_text())
+    del doc["attributes"]["hsdump_part_crc32"], doc["attributes"]["hsdump_part"]["index_crc"]
+    meta.write_text(json.dumps(doc))
+    shutil.rmtree(path / "part-default" / "index" / "tokens")
+
+
+def test_a_store_from_before_metadata_checksums_is_read_and_covered_once_appended(
+    tmp_path: Path,
+) -> None:
+    import zarr
+
+    path = _written(tmp_path)
+    _as_written_before_metadata_checksums(path)
+    with open_store(path, "r") as store:
+        assert store.verify().clean and len(store) == 4
+    with open_test_store(str(path)) as store:
+        store.write_sync(make_sample(4))
+    with open_store(path, "r") as store:
+        assert store.verify().clean
+        _assert_same(store["s0"], make_sample(0))
+    zarr.open_array(path / "part-default" / "index" / "sample_id", mode="r+")[1] = "s9"
+    with pytest.raises(StoreCorruptedError, match="index/sample_id"):
+        open_store(path, "r")
