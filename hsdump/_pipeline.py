@@ -61,7 +61,8 @@ class SampleSink(Protocol):
     """Where committed samples go (a :class:`~hsdump.HiddenStateStore`).
 
     ``bytes_raw`` (or ``bytes_raw_written``) and ``bytes_stored`` attributes, when present, feed
-    the compression ratio.
+    the compression ratio. A ``token_mismatch(sample)`` method, when present, says how a committed
+    sample's tokens differ from the dataset's (None when they do not): such a sample is a failure.
     """
 
     def __contains__(self, sample_id: object) -> bool:
@@ -325,10 +326,26 @@ class _Run:
 
     def plan(self, samples: Sequence[Sample]) -> list[Sample]:
         todo = [s for s in samples if s.id not in self.store]
-        self.summary.skipped = len(samples) - len(todo)
+        changed = [s for s in samples if s.id in self.store and self._tokens_changed(s)]
+        self.summary.skipped = len(samples) - len(todo) - len(changed)
         self.summary.samples_total = len(todo)
         self.summary.tokens_total = sum(len(s.input_ids) for s in todo)
         return todo
+
+    def _tokens_changed(self, sample: Sample) -> bool:
+        """Record a failure if the store holds ``sample.id`` with other tokens (a changed line)."""
+        mismatch = getattr(self.store, "token_mismatch", None)
+        reason = mismatch(sample) if mismatch is not None else None
+        if reason is not None:
+            exc = SampleExistsError(
+                f"the store holds this id with other tokens: {reason}. The dataset line changed "
+                "since the sample was written, so it is not skipped and not extracted (a store "
+                "never replaces a committed sample): restore the line, give it a new id, or "
+                "extract into a new store",
+                sample_id=sample.id,
+            )
+            self.fail(sample, exc, 0)
+        return reason is not None
 
     async def extractor(
         self,

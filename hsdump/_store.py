@@ -42,7 +42,7 @@ from hsdump._exceptions import (
     SampleNotFoundError,
     StoreError,
 )
-from hsdump._integrity import damaged, state_attributes
+from hsdump._integrity import damaged, sample_token_digest, state_attributes
 from hsdump._part import (
     PART_PREFIX,
     STATE_KEY,
@@ -60,7 +60,7 @@ from hsdump._stats import LayerStats, merge_layer_lists, sample_stats
 if TYPE_CHECKING:
     import zarr
 
-    from hsdump._types import HiddenStates
+    from hsdump._types import HiddenStates, Sample
 
 __all__ = ["HiddenStateStore", "VerifyReport", "open_store", "verify_store"]
 
@@ -538,6 +538,29 @@ class HiddenStateStore:
         for state in self._states():
             out = merge_layer_lists(out, state.stats)
         return out
+
+    def token_mismatch(self, sample: Sample) -> str | None:
+        """How a committed sample's recorded tokens differ from ``sample``'s, or None.
+
+        None also when ``sample.id`` is not committed, or was written before token digests were
+        recorded (nothing to compare). A resumed extraction reports a difference as a failure.
+        """
+        with self._lock:
+            loc = self._where.get(sample.id)
+            index = self._readers[loc[0]].index if loc else None
+        if loc is None or index is None or not (stored := int(index.tokens[loc[1]])):
+            return None
+        found = sample_token_digest(sample.input_ids, sample.loss_mask)
+        if found == stored:
+            return None
+        length, has_mask = int(index.rows[loc[1], 1]), bool(index.rows[loc[1], 2])
+        dataset = "values out of the store's range" if found is None else f"{found:016x}"
+        return (
+            f"stored token digest {stored:016x} ({length} tokens, "
+            f"{'with' if has_mask else 'no'} loss mask) != dataset token digest {dataset} "
+            f"({len(sample.input_ids)} tokens, "
+            f"{'no' if sample.loss_mask is None else 'with'} loss mask)"
+        )
 
     def verify(self, sample_ids: list[str] | None = None, *, progress: Any = None) -> VerifyReport:
         """Re-read committed samples and compare their checksums; see :class:`VerifyReport`.

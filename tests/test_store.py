@@ -558,15 +558,20 @@ def test_a_store_from_before_metadata_checksums_is_read_and_covered_once_appende
 ) -> None:
     import zarr
 
+    from hsdump import Sample
+
     path = _written(tmp_path)
     _as_written_before_metadata_checksums(path)
     with open_store(path, "r") as store:
         assert store.verify().clean and len(store) == 4
+        other = Sample("s1", [1, 2, 3])
+        assert store.token_mismatch(other) is None  # no digest recorded: nothing to compare
     with open_test_store(str(path)) as store:
         store.write_sync(make_sample(4))
     with open_store(path, "r") as store:
         assert store.verify().clean
         _assert_same(store["s0"], make_sample(0))
+        assert store.token_mismatch(other) is None and store.token_mismatch(Sample("s4", [1]))
     zarr.open_array(path / "part-default" / "index" / "sample_id", mode="r+")[1] = "s9"
     with pytest.raises(StoreCorruptedError, match="index/sample_id"):
         open_store(path, "r")
