@@ -17,6 +17,7 @@ from hsdump._exceptions import (
     DumpFailed,
     DumpTimeout,
     DumpValidationError,
+    ExportError,
     HsdumpError,
     InputError,
     LayerMismatch,
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from hsdump._batching import LengthBucketSampler, pad_collate
     from hsdump._client import HiddenStateClient
     from hsdump._dataset import HiddenStateDataset
+    from hsdump._export import ExportSummary, export_store
     from hsdump._pipeline import Backoff, ExtractionSummary, run_extraction
     from hsdump._reference import ReferenceServer
     from hsdump._store import HiddenStateStore, open_store
@@ -51,6 +53,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Backoff": "hsdump._pipeline",
+    "ExportSummary": "hsdump._export",
     "ExtractionSummary": "hsdump._pipeline",
     "DumpWatcher": "hsdump._watcher",
     "HiddenStateClient": "hsdump._client",
@@ -60,6 +63,7 @@ _LAZY = {
     "LengthBucketSampler": "hsdump._batching",
     "PollingWatcher": "hsdump._watcher",
     "ReferenceServer": "hsdump._reference",
+    "export_store": "hsdump._export",
     "open_store": "hsdump._store",
     "pad_collate": "hsdump._batching",
     "run_extraction": "hsdump._pipeline",
@@ -75,6 +79,8 @@ __all__ = [
     "DumpTimeout",
     "DumpValidationError",
     "DumpWatcher",
+    "ExportError",
+    "ExportSummary",
     "ExtractionSummary",
     "HiddenStateClient",
     "HiddenStateDataset",
@@ -104,6 +110,7 @@ __all__ = [
     "StoreError",
     "TokenMismatch",
     "__version__",
+    "export_store",
     "open_store",
     "pad_collate",
     "run_extraction",

@@ -17,7 +17,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import typer
 from rich.console import Console
@@ -459,6 +459,73 @@ def stats(store: Annotated[Path, typer.Argument(help="The Zarr store to summaris
             )  # fmt: skip
         out.print(table)
         return EXIT_FAILURES if any(layer.non_finite for layer in layers) else EXIT_OK
+
+    _run_guarded(job)
+
+
+@app.command("export")
+def export(
+    store: Annotated[Path, typer.Argument(metavar="STORE", help="The Zarr store to export.")],
+    destination: Annotated[
+        Path, typer.Argument(metavar="OUT", help="The export directory (created, or resumed).")
+    ],
+    fmt: Annotated[
+        Literal["specforge", "speculators"],
+        typer.Option("--format", help="The trainer whose files to write."),
+    ],
+    ids: Annotated[
+        Path | None,
+        typer.Option(help="File of sample ids, one per line: export these, in this order."),
+    ] = None,
+    final_norm: Annotated[
+        Literal["post_norm", "pre_norm"] | None,
+        typer.Option(help="What the final state is, for a store that does not record it."),
+    ] = None,
+) -> None:
+    """Write a store's samples as the files a drafter trainer reads; a rerun resumes.
+
+    \b
+    Examples:
+      hsdump export hs.zarr sf-data --format specforge      # SpecForge --hidden-states-path
+      hsdump export hs.zarr sp-data --format speculators    # speculators --data-path
+    """
+
+    def job() -> int:
+        from hsdump._export import export_store, read_ids_file
+
+        sample_ids = read_ids_file(ids) if ids is not None else None
+        progress = Progress(
+            TextColumn("[bold]export"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} samples {task.fields[rate]}"),
+            TimeRemainingColumn(),
+            console=console,
+            transient=True,
+        )
+        task = progress.add_task("export", total=None, rate="")
+
+        def show(s: Any) -> None:
+            rate = f"{s.bytes_per_s / 1e6:,.0f} MB/s"
+            progress.update(task, total=s.samples_total, completed=s.samples_done, rate=rate)
+
+        with progress:
+            summary = export_store(
+                store,
+                destination,
+                format=fmt,
+                sample_ids=sample_ids,
+                final_norm=final_norm,
+                progress=show,
+            )
+        where = "model.aux_hidden_state_layer_ids" if fmt == "specforge" else "target_layer_ids"
+        console.print(
+            f"exported {summary.samples_total} samples to {destination}: {summary.written} "
+            f"written, {summary.skipped} already there, {summary.bytes_written / 1e6:,.1f} MB in "
+            f"{summary.wall_s:.1f} s ({summary.bytes_per_s / 1e6:,.0f} MB/s); train with "
+            f"{where} {summary.layer_ids}",
+            highlight=False,
+        )
+        return EXIT_OK
 
     _run_guarded(job)
 

@@ -28,11 +28,12 @@ The tree::
     │       ├── DtypeMismatch
     │       ├── NonFiniteValues
     │       └── DegenerateValues
-    └── StoreError                          the Zarr store
-        ├── SampleExistsError
-        ├── SampleNotFoundError (KeyError)
-        ├── ProvenanceMismatch
-        └── StoreCorruptedError
+    ├── StoreError                          the Zarr store
+    │   ├── SampleExistsError
+    │   ├── SampleNotFoundError (KeyError)
+    │   ├── ProvenanceMismatch
+    │   └── StoreCorruptedError
+    └── ExportError                         writing a trainer's files from a store
 
 ``exc.transient`` says whether retrying the sample with a fresh request may succeed.
 """
@@ -47,6 +48,7 @@ __all__ = [
     "DumpFailed",
     "DumpTimeout",
     "DumpValidationError",
+    "ExportError",
     "HsdumpError",
     "InputError",
     "LayerMismatch",
@@ -207,3 +209,8 @@ class ProvenanceMismatch(StoreError):
 
 class StoreCorruptedError(StoreError):
     """Stored bytes do not match their checksum, or the store's structure is damaged."""
+
+
+class ExportError(HsdumpError):
+    """A store cannot be exported as asked: the trainer needs what the store does not hold (a
+    convention that cannot be converted), or the output directory belongs to another export."""
