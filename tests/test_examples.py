@@ -26,3 +26,14 @@ def test_extract_dataset_example_stores_the_bundled_dataset(tmp_path):
     with open_store(tmp_path / "out.zarr", "r") as store:
         expected = len(BUNDLED.read_text().splitlines())
         assert len(store) == expected and f"{expected} samples, {store.num_tokens}" in result.stdout
+
+
+def test_extract_dataset_example_has_real_options_and_its_own_default_store(tmp_path):
+    script = EXAMPLES / "extract_dataset.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "--help"], cwd=tmp_path, capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0 and "--concurrency" in result.stdout
+    assert "example.zarr" in result.stdout and "sample.zarr" not in result.stdout
+    assert list(tmp_path.iterdir()) == []  # no store named --help, nor any other
