@@ -2,19 +2,20 @@
 
 Exit codes: 0 everything succeeded; 1 some samples or dataset lines failed (see the failures
 file) or a store check found damage; 2 the run could not start (bad arguments, server
-unreachable, store locked...); 130 interrupted (rerun the same command to resume).
+unreachable, store locked...) or stopped on a store error no retry fixes (no space left...);
+130 interrupted by SIGINT (Ctrl-C), 143 by SIGTERM (rerun the same command to resume).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
-import shutil
 import signal
-import tempfile
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar
@@ -25,6 +26,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from hsdump._exceptions import HsdumpError
+from hsdump._signals import GracefulStop
 
 __all__ = ["app", "main"]
 
@@ -37,9 +39,29 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 console = Console(stderr=True)
 out = Console()
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from hsdump import __version__
+
+        out.print(f"hsdump {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Show the version."),
+    ] = False,
+) -> None:
+    """Extract verified hidden states from an inference server into a compressed Zarr store."""
+
 
 EXTRACT_HELP = """Extract every sample of a JSONL DATASET into the store OUT.
 
@@ -64,6 +86,8 @@ def _data_path(dataset: str) -> Path:
 def _setup_logging(verbose: bool) -> None:
     if verbose:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+        for name in ("httpx", "httpcore"):  # one INFO line per HTTP request drowns the rest
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _run_guarded(job: Callable[[], int]) -> None:
@@ -73,9 +97,9 @@ def _run_guarded(job: Callable[[], int]) -> None:
     except HsdumpError as exc:
         console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         code = EXIT_ERROR
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # a Stopped says which signal: 130 or 143
         console.print("[yellow]interrupted[/]: committed samples are kept; rerun to resume")
-        code = EXIT_INTERRUPTED
+        code = getattr(exc, "exit_code", EXIT_INTERRUPTED)
     raise typer.Exit(code)
 
 
@@ -89,15 +113,31 @@ def _server(
         return
     from hsdump._reference import ReferenceServer
 
-    owned = dump_dir is None
-    root = dump_dir or Path(tempfile.mkdtemp(prefix="hsdump-", dir=_shm()))
-    try:
-        console.print(f"starting the reference server ({model or 'built-in model'})")
+    with _temp_root(dump_dir) as root:
+        where = "" if dump_dir is not None else f", dumping into {root}"
+        console.print(
+            f"starting the reference server ({model or 'built-in model'}{where})",
+            highlight=False,
+            soft_wrap=True,
+        )
         with ReferenceServer(model, dump_dir=root) as server:
             yield server.url, root
+
+
+@contextlib.contextmanager
+def _temp_root(dump_dir: Path | None) -> Iterator[Path]:
+    """``dump_dir``, or a temporary root removed at the end (or by the next run, if killed)."""
+    if dump_dir is not None:
+        yield dump_dir
+        return
+    from hsdump._janitor import TempRoot, remove_stale_roots
+
+    remove_stale_roots(_shm())
+    root = TempRoot(_shm())
+    try:
+        yield root.path
     finally:
-        if owned:
-            shutil.rmtree(root, ignore_errors=True)
+        root.remove()
 
 
 def _shm() -> str | None:
@@ -142,9 +182,51 @@ class _ProgressView:
         self._progress.stop()
 
 
-def _print_summary(summary: Any, failures_path: Path) -> None:
+class _LineProgress:
+    """Plain progress lines where stderr is not a terminal (Slurm, nohup, CI): one at the start,
+    then one after a sample once ``every`` seconds have passed since the last."""
+
+    def __init__(self, every: float):
+        self.summary: Any = None
+        self._every = every
+        self._last = -math.inf
+
+    def __call__(self, summary: Any) -> None:
+        self.summary = summary
+        if time.monotonic() - self._last >= self._every:
+            self._last = time.monotonic()
+            console.print(_progress_line(summary), highlight=False, soft_wrap=True)
+
+    def __enter__(self) -> _LineProgress:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+
+def _progress_line(summary: Any) -> str:
+    eta = summary.eta_s
+    left = "-" if eta is None else time.strftime("%H:%M:%S", time.gmtime(eta))
+    return (
+        f"progress: {summary.samples_done}/{summary.samples_total} samples, "
+        f"{summary.tokens_per_s:,.0f} tokens/s, {summary.bytes_per_s / 1e9:.2f} GB/s, "
+        f"ETA {left}, {len(summary.failures)} failed"
+    )
+
+
+def _progress_view(log_every: float) -> _ProgressView | _LineProgress:
+    """A live bar on a terminal, else a line every ``log_every`` seconds."""
+    return _ProgressView() if console.is_terminal else _LineProgress(log_every)
+
+
+def _print_summary(
+    summary: Any, failures_path: Path, *, fail_fast: bool = False, signalled: bool = False
+) -> None:
     ratio = "n/a" if math.isnan(summary.ratio) else f"{summary.ratio:.2f}x"
-    state = "interrupted" if summary.interrupted else "done"
+    state = "done"
+    if signalled or summary.interrupted:
+        first_failure = fail_fast and summary.failures and not signalled
+        state = "stopped at the first failure" if first_failure else "interrupted"
     console.print(
         f"{state}: {summary.samples_done} samples written, {summary.skipped} skipped, "
         f"{summary.tokens_done:,} tokens, {summary.bytes_raw / 1e6:.1f} MB raw, "
@@ -209,7 +291,20 @@ def _store_options(options: dict[str, Any]) -> dict[str, Any]:
     return {"shard_tokens": options["shard_tokens"]} if options["shard_tokens"] else {}
 
 
-async def _extract(options: dict[str, Any], url: str, dump_dir: Path | None) -> int:
+async def _until_stopped(stop: GracefulStop, job: Callable[[], Awaitable[int]]) -> int:
+    """Run ``job`` in the event loop; a stop signal before it handles one ends it at once."""
+    import anyio
+
+    with anyio.CancelScope() as scope, stop.cancelling(scope):
+        return await job()
+    return stop.exit_code or EXIT_INTERRUPTED
+
+
+async def _extract(
+    options: dict[str, Any], url: str, dump_dir: Path | None, stop: GracefulStop
+) -> int:
+    import anyio
+
     from hsdump._client import HiddenStateClient
     from hsdump._inputs import InputLimits
     from hsdump._pipeline import failures_path_for, run_extraction
@@ -226,8 +321,15 @@ async def _extract(options: dict[str, Any], url: str, dump_dir: Path | None) -> 
         dataset, prior = _read_dataset(options, limits)
         failures_path = failures_path_for(options["out"])
         store_options = _store_options(options)
-        with open_store(options["out"], "a", **store_options) as store, _ProgressView() as view:
-            summary = await run_extraction(
+        view = _progress_view(options["log_every"])
+        # A stop signal cancels the run alone: it flushes the store, and the summary follows.
+        with (
+            open_store(options["out"], "a", **store_options) as store,
+            view,
+            anyio.CancelScope() as scope,
+            stop.cancelling(scope),
+        ):
+            await run_extraction(
                 dataset.samples,
                 client=client,
                 store=store,
@@ -239,7 +341,13 @@ async def _extract(options: dict[str, Any], url: str, dump_dir: Path | None) -> 
                 line_numbers=dataset.line_numbers,
                 prior_failures=prior,
             )
-    _print_summary(summary, failures_path)
+    summary = view.summary  # the run's own summary, also when it was cancelled
+    if summary is None:
+        return stop.exit_code or EXIT_INTERRUPTED
+    signalled = stop.signum is not None
+    _print_summary(summary, failures_path, fail_fast=options["fail_fast"], signalled=signalled)
+    if signalled:
+        return stop.exit_code or EXIT_INTERRUPTED
     return EXIT_OK if summary.ok else EXIT_FAILURES
 
 
@@ -252,7 +360,7 @@ def _extract_parallel(options: dict[str, Any], url: str, dump_dir: Path | None) 
 
     dataset, prior = anyio.run(_prepare, options, url, dump_dir)
     failures_path = failures_path_for(options["out"])
-    with _ProgressView() as view:
+    with _progress_view(options["log_every"]) as view:
         try:
             summary = run_parallel_extraction(
                 dataset.samples,
@@ -275,7 +383,7 @@ def _extract_parallel(options: dict[str, Any], url: str, dump_dir: Path | None) 
                 view.summary.interrupted = True
                 _print_summary(view.summary, failures_path)
             raise
-    _print_summary(summary, failures_path)
+    _print_summary(summary, failures_path, fail_fast=options["fail_fast"])
     return EXIT_OK if summary.ok else EXIT_FAILURES
 
 
@@ -318,6 +426,10 @@ def extract(
     shard_tokens: Annotated[
         int | None, typer.Option(help="Tokens per store shard (store default when unset).")
     ] = None,
+    log_every: Annotated[
+        float,
+        typer.Option(min=0, help="Seconds between progress lines when stderr is not a terminal."),
+    ] = 30.0,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each sample.")] = False,
 ) -> None:
     """Extract a dataset into a store (see EXTRACT_HELP)."""
@@ -333,17 +445,63 @@ def extract(
         "request_timeout": request_timeout,
         "dump_timeout": dump_timeout,
         "shard_tokens": shard_tokens,
+        "log_every": log_every,
     }
 
     def job() -> int:
         import anyio
 
-        with _server(server_url, dump_dir, model) as (url, root):
+        if _all_stored(options):
+            return EXIT_OK
+        with GracefulStop() as stop, _server(server_url, dump_dir, model) as (url, root):
             if options["workers"] > 1:
                 return _extract_parallel(options, url, root)
-            return anyio.run(_extract, options, url, root)
+            run = functools.partial(_extract, options, url, root, stop)
+            return anyio.run(_until_stopped, stop, run)
 
     _run_guarded(job)
+
+
+def _all_stored(options: dict[str, Any]) -> bool:
+    """Say so, and end, when the store holds every sample of the dataset: no server needed."""
+    from hsdump._inputs import read_dataset
+    from hsdump._pipeline import failures_path_for
+    from hsdump._store import open_store
+
+    path, store_path = options["dataset"], options["out"]
+    try:
+        lines = _count_lines(path) if store_path.exists() else 0
+        if not lines:
+            return False
+        with open_store(store_path, "r") as store:
+            if len(store) < lines:
+                return False  # found without parsing the dataset
+            dataset = read_dataset(path, tokenizer=_tokenizer(options))
+            mismatch = getattr(store, "token_mismatch", lambda sample: None)
+            done = not dataset.bad_lines and all(
+                s.id in store and mismatch(s) is None for s in dataset.samples
+            )
+    except (OSError, HsdumpError):
+        return False  # the run itself reports what is wrong
+    if done:
+        failures_path_for(store_path).unlink(missing_ok=True)  # nothing failed
+        console.print(
+            f"done: nothing to extract, {store_path} holds all {len(dataset.samples)} samples of "
+            f"{path} (no server started)",
+            highlight=False,
+        )
+    return done
+
+
+def _count_lines(path: Path) -> int:
+    with path.open("rb") as lines:
+        return sum(1 for line in lines if line.strip())
+
+
+def _tokenizer(options: dict[str, Any]) -> Any:
+    from hsdump._inputs import load_tokenizer
+
+    return load_tokenizer(options["tokenizer"]) if options["tokenizer"] else None
 
 
 @app.command("serve-reference")

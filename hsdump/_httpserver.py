@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -111,6 +111,8 @@ def build_app(engine: Engine) -> Starlette:
     async def generate(request: Request) -> Response:
         try:
             body = GenerateRequest.model_validate_json(await request.body())
+        except ClientDisconnect:  # a cancelled client left mid-request: no one to answer
+            return Response(status_code=499)
         except ValidationError as exc:
             return _error(400, f"invalid request: {exc}")
         try:

@@ -4,6 +4,10 @@ Each client takes a random id and holds an exclusive ``flock`` on ``_clients/<id
 lifetime; its rids are ``<prefix><id>-<hex>``. A ``req_`` directory is stale when its client's lock
 is free (the client is gone) or, for names no client pattern explains, when it is older than
 ``stale_after``. A second live client's dumps are therefore never touched.
+
+A temporary dump root (``hsdump-*``, for an embedded server) works the same way: its owner holds
+a lock on ``<root>/_owner.lock`` while it runs, so the next run removes a root whose owner was
+killed, even with ``kill -9``.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -21,10 +26,11 @@ from pathlib import Path
 from hsdump._exceptions import ConfigError
 from hsdump._protocol import DEFAULT_RID_PREFIX, REQ_PREFIX, TMP_PREFIX
 
-__all__ = ["ClientLease", "remove_stale"]
+__all__ = ["ClientLease", "TempRoot", "remove_stale", "remove_stale_roots"]
 
 logger = logging.getLogger(__name__)
 CLIENTS_DIR = "_clients"
+TEMP_ROOT_PREFIX, OWNER_FILE = "hsdump-", "_owner.lock"
 
 
 class ClientLease:
@@ -36,19 +42,11 @@ class ClientLease:
         self.rid_prefix = rid_prefix
         directory = root / CLIENTS_DIR
         self.path = directory / f"{self.client_id}.lock"
-        # Lock under a temporary name, then rename: a lease is never visible unlocked.
-        tmp = directory / f".{self.client_id}.tmp"
         self._fd: int | None = None
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.write(self._fd, f"{os.getpid()}\n".encode())
-            os.rename(tmp, self.path)
+            self._fd = _create_locked(self.path)
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-            self.release()
             raise ConfigError(
                 f"cannot take a client id in {directory}: {exc.strerror or exc}. A client needs "
                 f"to write in the dump root {root}: run as a user who may write there, or pass "
@@ -68,8 +66,80 @@ class ClientLease:
             self._fd = None
 
 
+class TempRoot:
+    """A temporary dump root that this process owns while it lives.
+
+    Args:
+        parent: The directory to create it in (default: the system's temporary directory).
+
+    Raises:
+        ConfigError: ``parent`` is not a directory this user may write.
+    """
+
+    def __init__(self, parent: str | os.PathLike[str] | None = None):
+        where = Path(parent) if parent is not None else Path(tempfile.gettempdir())
+        try:
+            self.path = Path(tempfile.mkdtemp(prefix=TEMP_ROOT_PREFIX, dir=where))
+            try:
+                self._fd: int | None = _create_locked(self.path / OWNER_FILE)
+            except OSError:
+                shutil.rmtree(self.path, ignore_errors=True)
+                raise
+        except OSError as exc:
+            raise ConfigError(
+                f"cannot create a temporary dump root in {where}: {exc.strerror or exc}. Pass "
+                "--dump-dir with a directory this user may write"
+            ) from exc
+
+    def remove(self) -> None:
+        """Remove the root and everything in it (idempotent)."""
+        shutil.rmtree(self.path, ignore_errors=True)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def remove_stale_roots(parent: str | os.PathLike[str] | None = None) -> int:
+    """Remove the temporary dump roots in ``parent`` whose owner has exited; returns how many.
+
+    Only roots with an owner file are considered: one without is being created right now (or
+    was made by an older hsdump, or by hand) and is left alone.
+    """
+    where = Path(parent) if parent is not None else Path(tempfile.gettempdir())
+    removed = 0
+    for path in where.glob(f"{TEMP_ROOT_PREFIX}*"):
+        owner = path / OWNER_FILE
+        if not path.is_symlink() and owner.is_file() and not _is_locked(owner):
+            shutil.rmtree(path, ignore_errors=True)
+            removed += 1
+    if removed:
+        logger.info("removed %d temporary dump roots of exited runs from %s", removed, where)
+    return removed
+
+
+def _create_locked(path: Path) -> int:
+    """Create ``path`` holding this pid, locked by this process until the descriptor closes."""
+    # Locked under a temporary name, then renamed: the file is never visible unlocked.
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        os.rename(tmp, path)
+    except OSError:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return fd
+
+
 def _client_alive(root: Path, client_id: str) -> bool:
-    path = root / CLIENTS_DIR / f"{client_id}.lock"
+    return _is_locked(root / CLIENTS_DIR / f"{client_id}.lock")
+
+
+def _is_locked(path: Path) -> bool:
+    """Whether a live process holds the ``flock`` on ``path`` (False when it is missing)."""
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError:

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
+import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+import hsdump
 from hsdump._cli import app
 from hsdump._reference import build_default_model
 from hsdump._store import open_store
@@ -211,3 +218,123 @@ def test_serve_reference_rejects_malformed_layer_ids(tmp_path):
         app, ["serve-reference", "--layer-ids", "2,x", "--dump-dir", str(tmp_path)]
     )
     assert result.exit_code == 2 and "--layer-ids" in result.output
+
+
+def test_version_and_short_help():
+    version = runner.invoke(app, ["--version"])
+    assert version.exit_code == 0 and version.output.strip() == f"hsdump {hsdump.__version__}"
+    for command in ([], ["extract"]):
+        short, long = (runner.invoke(app, [*command, flag]) for flag in ("-h", "--help"))
+        assert short.exit_code == 0 and "Usage: hsdump" in short.output
+        assert short.output == long.output
+
+
+def test_a_rerun_of_a_complete_store_starts_no_server(model_dir, tmp_path):
+    dataset = _dataset(tmp_path / "d.jsonl", *_good(2))
+    assert _extract(model_dir, tmp_path, dataset).exit_code == 0
+    result = _extract(model_dir, tmp_path, dataset)
+    assert result.exit_code == 0 and "nothing to extract" in result.output
+    assert "starting the reference server" not in result.output and _ids(tmp_path) == ["s0", "s1"]
+
+
+def test_fail_fast_says_it_stopped_at_the_first_failure(fake, tmp_path):
+    s0 = _good(1)[0]["input_ids"]
+    fake.engine.fault_for = lambda rid, ids: Fault("http_400") if ids == s0 else None
+    dataset = _dataset(tmp_path / "d.jsonl", *_good(3))
+    result = _extract_from(fake, tmp_path, dataset, "--fail-fast")
+    assert result.exit_code == 1 and "stopped at the first failure:" in result.output
+    assert "interrupted" not in result.output
+
+
+def test_progress_lines_where_stderr_is_not_a_terminal(fake, tmp_path):
+    dataset = _dataset(tmp_path / "d.jsonl", *_good(3))
+    every_sample = _extract_from(fake, tmp_path, dataset, "--log-every", "0")
+    lines = [x for x in every_sample.output.splitlines() if x.startswith("progress: ")]
+    assert [x.split(" samples")[0] for x in lines] == [f"progress: {i}/3" for i in range(4)]
+    assert all(re.search(r"tokens/s, [\d.]+ GB/s, ETA [\d:-]+, 0 failed$", x) for x in lines)
+    (tmp_path / "s.zarr.failures.jsonl").unlink(missing_ok=True)
+    more = _dataset(tmp_path / "more.jsonl", *_good(6))
+    default = _extract_from(fake, tmp_path, more)  # every 30 s: the first line only
+    assert [x for x in default.output.splitlines() if x.startswith("progress: ")] == [
+        next(x for x in default.output.splitlines() if x.startswith("progress: 0/3 samples"))
+    ]
+
+
+def test_verbose_logs_samples_but_not_each_http_request(fake, tmp_path, caplog):
+    with caplog.at_level(logging.INFO):
+        result = _extract_from(fake, tmp_path, _dataset(tmp_path / "d.jsonl", *_good(2)), "-v")
+    assert result.exit_code == 0
+    names = {record.name for record in caplog.records}
+    assert "hsdump._pipeline" in names and not {"httpx", "httpcore"} & names
+
+
+def _many(n):
+    return [{"id": f"m{i}", "input_ids": [1 + i % 200, 2, 3]} for i in range(n)]
+
+
+class _Run:
+    """``hsdump extract`` with the embedded server in a process of its own."""
+
+    def __init__(self, model_dir, tmp_path, name, samples=400):
+        dataset = _dataset(tmp_path / f"{name}.jsonl", *_many(samples))
+        self.store = tmp_path / f"{name}.zarr"
+        command = [sys.executable, "-c", "from hsdump._cli import main; main()", "extract"]
+        args = [str(dataset), "--out", str(self.store), "--model", str(model_dir)]
+        self.process = subprocess.Popen(
+            [*command, *args, "--log-every", "3600"], stderr=subprocess.PIPE, text=True
+        )
+        self.seen: list[str] = []
+
+    def begun(self):
+        """Wait until the client is open and the run has begun; returns the temporary root."""
+        started = self.wait_for("starting the reference server")
+        self.root = Path(re.search(r"dumping into (\S+)\)", started)[1])
+        self.wait_for("progress: 0/")
+        return self
+
+    def wait_for(self, prefix):
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.seen.append(line)
+            if line.startswith(prefix):
+                return line
+        raise AssertionError(f"no line {prefix!r} in {''.join(self.seen)}")
+
+    def finish(self):
+        _, rest = self.process.communicate(timeout=60)
+        return "".join(self.seen) + rest
+
+
+@pytest.mark.slow
+def test_sigterm_stops_like_ctrl_c_and_a_killed_runs_root_goes_with_the_next_run(
+    model_dir, tmp_path
+):
+    running, killed = _Run(model_dir, tmp_path, "a"), _Run(model_dir, tmp_path, "b")
+    running.begun(), killed.begun()
+    killed.process.kill()
+    killed.finish()
+    assert killed.root.is_dir()  # kill -9 leaves it: nothing in the run could remove it
+    dataset = _dataset(tmp_path / "c.jsonl", *_good(1))
+    args = ["extract", str(dataset), "--out", str(tmp_path / "c.zarr"), "--model", str(model_dir)]
+    assert runner.invoke(app, args).exit_code == 0
+    assert not killed.root.exists() and running.root.is_dir()  # a live run's root is kept
+    running.process.send_signal(signal.SIGTERM)
+    output = running.finish()
+    assert running.process.returncode == 143, output
+    written = re.search(r"^interrupted: (\d+) samples written", output, re.M)
+    assert written and not running.root.exists() and "Traceback" not in output
+    with open_store(running.store, "r") as store:
+        assert len(store) == int(written[1]) < 400  # what it says it wrote is committed
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_during_the_cleanup_does_not_abort_it(model_dir, tmp_path):
+    run = _Run(model_dir, tmp_path, "a").begun()
+    run.process.send_signal(signal.SIGINT)
+    run.wait_for("stopping: ")  # the first one is in hand: the store commit and cleanup follow
+    run.process.send_signal(signal.SIGINT)
+    output = run.finish()
+    assert run.process.returncode == 130, output
+    assert "still stopping: " in output and re.search(r"^interrupted: \d+ samples", output, re.M)
+    assert "terminate called" not in output and "Traceback" not in output
+    assert not run.root.exists()
