@@ -38,6 +38,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+from anyio.abc import TaskGroup
 
 from hsdump._exceptions import ConfigError, HsdumpError
 from hsdump._pipeline import (
@@ -46,6 +47,7 @@ from hsdump._pipeline import (
     ProgressCallback,
     _FailureLog,
     run_extraction,
+    token_change,
 )
 from hsdump._types import Sample
 
@@ -131,8 +133,6 @@ def _worker_main(spec: WorkerSpec, conn: Any) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates a stop
     try:
         anyio.run(_worker, spec, conn)
-    except HsdumpError as exc:
-        conn.send(("fatal", type(exc).__name__, str(exc)))
     finally:
         conn.close()
 
@@ -146,60 +146,89 @@ def _die_with_parent() -> None:
 
 
 async def _worker(spec: WorkerSpec, conn: Any) -> None:
+    """The inbox runs from the start: opening the client already asks the gate (its probe)."""
+    reporter = _Reporter(conn)
+    async with anyio.create_task_group() as group:
+        inbox = _Inbox(conn, _ParentGate(conn), group)
+        group.start_soon(inbox.run)
+        group.start_soon(inbox.stop_on_sigterm)
+        try:
+            await _extract(spec, inbox, reporter)
+        except HsdumpError as exc:
+            conn.send(("fatal", type(exc).__name__, str(exc)))
+        finally:
+            reporter.final()
+            group.cancel_scope.cancel()
+
+
+async def _extract(spec: WorkerSpec, inbox: _Inbox, reporter: _Reporter) -> None:
     from hsdump._client import HiddenStateClient
     from hsdump._store import open_store
 
-    reporter, gate = _Reporter(conn), _ParentGate(conn)
     client = HiddenStateClient(
         spec.url,
         dump_dir=spec.dump_dir,
         max_in_flight=spec.concurrency,
-        gate=gate,
+        gate=inbox.gate,
         **spec.client_options,
     )
     async with client:
         with open_store(spec.store, "a", writer_id=spec.writer_id, **spec.store_options) as store:
-            send, receive = anyio.create_memory_object_stream[Sample](max_buffer_size=math.inf)
-            conn.send(("ready",))
-            try:
-                async with anyio.create_task_group() as group:
-                    group.start_soon(_feed, conn, send, gate, group.cancel_scope)
-                    group.start_soon(_stop_on_sigterm, group.cancel_scope)
-                    await run_extraction(
-                        receive, client=client, store=store, retries=spec.retries,
-                        concurrency=spec.concurrency, fail_fast=spec.fail_fast, progress=reporter,
-                    )  # fmt: skip
-                    group.cancel_scope.cancel()
-            finally:
-                reporter.final()
+            await run_extraction(
+                inbox.receive, client=client, store=store, retries=spec.retries,
+                concurrency=spec.concurrency, fail_fast=spec.fail_fast, progress=reporter,
+            )  # fmt: skip
 
 
-async def _feed(conn: Any, send: Any, gate: _ParentGate, scope: anyio.CancelScope) -> None:
-    """Messages from the parent: samples into the run's stream, grants to the gate; ``end``
-    closes the stream, ``stop`` cancels the run."""
-    async with send:
+class _Inbox:
+    """Messages from the parent: samples into the run's stream, grants to the gate.
+
+    ``end`` closes the stream. ``stop`` (or SIGTERM, or the parent's death) also drops the samples
+    not started yet: those in flight finish and commit, so no request is cut off and no dump is
+    left behind, and after ``_STOP_GRACE_S`` the rest of the run is cancelled.
+    """
+
+    def __init__(self, conn: Any, gate: _ParentGate, group: TaskGroup):
+        self.conn, self.gate, self.group = conn, gate, group
+        self.send, self.receive = anyio.create_memory_object_stream[Sample](math.inf)
+
+    async def run(self) -> None:
         while True:
             try:
-                message = await anyio.to_thread.run_sync(conn.recv, abandon_on_cancel=True)
+                message = await anyio.to_thread.run_sync(self.conn.recv, abandon_on_cancel=True)
             except EOFError:
                 message = ("stop",)  # the parent is gone
             if message[0] == "granted":
-                gate.granted()
+                self.gate.granted()
             elif message[0] == "samples":
                 for sample in message[1]:
-                    send.send_nowait(sample)
+                    with contextlib.suppress(anyio.ClosedResourceError):
+                        self.send.send_nowait(sample)
             elif message[0] == "end":
-                return
+                self.send.close()
             else:
-                scope.cancel()
+                self.stop()
+                if message[0] != "stop":
+                    return
+
+    def stop(self) -> None:
+        while True:
+            try:
+                self.receive.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                break
+        self.send.close()
+        self.group.start_soon(self._cancel_later)
+
+    async def _cancel_later(self) -> None:
+        await anyio.sleep(_STOP_GRACE_S)
+        self.group.cancel_scope.cancel()
+
+    async def stop_on_sigterm(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+            async for _ in signals:
+                self.stop()
                 return
-
-
-async def _stop_on_sigterm(scope: anyio.CancelScope) -> None:
-    with anyio.open_signal_receiver(signal.SIGTERM) as signals:
-        async for _ in signals:
-            scope.cancel()
-            return
 
 
 class _Reporter:
@@ -376,6 +405,7 @@ class _Parallel:
 
     def _exited(self, worker: _Worker) -> None:
         """A worker ended its run: what it did not finish goes back to the queue."""
+        worker.conn.close()  # its inbox thread, blocked reading, sees the end and lets it exit
         worker.process.join(_STOP_GRACE_S)
         worker.exited = True
         self._requeue(worker)
@@ -384,7 +414,8 @@ class _Parallel:
     def _died(self, worker: _Worker) -> None:
         worker.process.join(_POLL_S)
         code = worker.process.exitcode
-        logger.warning("worker %s died (exit code %s)", worker.spec.writer_id, code)
+        level = logging.DEBUG if self.stopping else logging.WARNING
+        logger.log(level, "worker %s died (exit code %s)", worker.spec.writer_id, code)
         worker.exited = True
         self._requeue(worker)
         self._gate_freed(worker)
@@ -550,7 +581,8 @@ def run_parallel_extraction(
             f"{concurrency}, {retries}"
         )
     summary = ExtractionSummary(failures=list(prior_failures), workers=workers)
-    todo = _plan(samples, str(store), summary)
+    todo = _plan(samples, str(store), summary, line_numbers or {})
+    planned = summary.failures[len(prior_failures) :]
     per_worker = -(-concurrency // workers) + 1
     specs = [
         WorkerSpec(
@@ -563,9 +595,9 @@ def run_parallel_extraction(
     ]  # fmt: skip
     path = Path(failures_path) if failures_path is not None else None
     with _FailureLog(path) as log, _sigterm_as_interrupt():
-        for failure in prior_failures:
+        for failure in [*prior_failures, *planned]:
             log.record(failure)
-        if todo and not (fail_fast and prior_failures):
+        if todo and not (fail_fast and summary.failures):
             runner = _Parallel(
                 specs, todo, summary=summary, log=log, line_numbers=line_numbers,
                 progress=progress, store_path=str(store), fail_fast=fail_fast,
@@ -580,16 +612,29 @@ def run_parallel_extraction(
     return summary
 
 
-def _plan(samples: Sequence[Sample], store: str, summary: ExtractionSummary) -> list[Sample]:
+def _plan(
+    samples: Sequence[Sample],
+    store: str,
+    summary: ExtractionSummary,
+    line_numbers: Mapping[str, int],
+) -> list[Sample]:
+    """What is left to do; a stored id whose dataset tokens changed is a failure, not a skip."""
     from hsdump._store import open_store
 
-    try:
+    if not Path(store).exists():
+        todo = list(samples)
+    else:
         with open_store(store, "r") as opened:
-            committed = opened.committed_ids()
-    except HsdumpError:
-        committed = set()  # a new store
-    todo = [s for s in samples if s.id not in committed]
-    summary.skipped = len(samples) - len(todo)
+            todo = [s for s in samples if s.id not in opened]
+            for sample in (s for s in samples if s.id in opened):
+                exc = token_change(opened, sample)
+                if exc is not None:
+                    line = line_numbers.get(sample.id)
+                    summary.failures.append(
+                        Failure(sample.id, line, type(exc).__name__, str(exc), 0)
+                    )
+                else:
+                    summary.skipped += 1
     summary.samples_total = len(todo)
     summary.tokens_total = sum(len(s.input_ids) for s in todo)
     return todo

@@ -257,6 +257,21 @@ def _store_bytes(store: object) -> tuple[int, int]:
     return int(raw), int(getattr(store, "bytes_stored", 0))
 
 
+def token_change(store: object, sample: Sample) -> SampleExistsError | None:
+    """The error for a sample whose id the store holds with other tokens; None if they match."""
+    mismatch = getattr(store, "token_mismatch", None)
+    reason = mismatch(sample) if mismatch is not None else None
+    if reason is None:
+        return None
+    return SampleExistsError(
+        f"the store holds this id with other tokens: {reason}. The dataset line changed "
+        "since the sample was written, so it is not skipped and not extracted (a store "
+        "never replaces a committed sample): restore the line, give it a new id, or "
+        "extract into a new store",
+        sample_id=sample.id,
+    )
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident memory."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
@@ -334,18 +349,10 @@ class _Run:
 
     def _tokens_changed(self, sample: Sample) -> bool:
         """Record a failure if the store holds ``sample.id`` with other tokens (a changed line)."""
-        mismatch = getattr(self.store, "token_mismatch", None)
-        reason = mismatch(sample) if mismatch is not None else None
-        if reason is not None:
-            exc = SampleExistsError(
-                f"the store holds this id with other tokens: {reason}. The dataset line changed "
-                "since the sample was written, so it is not skipped and not extracted (a store "
-                "never replaces a committed sample): restore the line, give it a new id, or "
-                "extract into a new store",
-                sample_id=sample.id,
-            )
+        exc = token_change(self.store, sample)
+        if exc is not None:
             self.fail(sample, exc, 0)
-        return reason is not None
+        return exc is not None
 
     async def extractor(
         self,

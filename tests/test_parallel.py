@@ -1,0 +1,216 @@
+"""Extraction in worker processes: one store, every sample once, failures and stops in workers."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hsdump import Sample
+from hsdump._parallel import WorkerError, run_parallel_extraction
+from hsdump._store import open_store, verify_store
+from hsdump.testing import FakeServer
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _samples(n: int, seed: int = 0) -> list[Sample]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 80, (n,), generator=gen).tolist()
+    return [
+        Sample(f"s{i}", torch.randint(0, 500, (t,), generator=gen).tolist())
+        for i, t in enumerate(lengths)
+    ]
+
+
+@pytest.fixture
+def fake(tmp_path: Path):
+    with FakeServer(tmp_path / "dumps", hidden_size=16) as server:
+        yield server
+
+
+def _run(server: FakeServer, store: Path, samples: list[Sample], **options):
+    options = {"workers": 2, "concurrency": 2, **options}
+    return run_parallel_extraction(
+        samples, url=server.url, dump_dir=server.dump_dir, store=store, **options
+    )
+
+
+def _contents(store: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, list[int]]]:
+    with open_store(store, "r") as opened:
+        assert not opened.duplicates
+        return {
+            sid: (hs.aux_hidden_states, hs.final_hidden_state, hs.input_ids.tolist())
+            for sid in opened
+            for hs in [opened[sid]]
+        }
+
+
+def _dumps_left(server: FakeServer) -> list[str]:
+    return sorted(p.name for p in server.dump_dir.iterdir() if p.name.startswith(("req_", ".tmp")))
+
+
+def test_workers_store_what_one_process_stores(fake, tmp_path) -> None:
+    samples = _samples(24)
+    summary = _run(fake, tmp_path / "par.zarr", samples, workers=3, concurrency=3)
+    assert summary.ok and summary.samples_done == 24 and summary.workers == 3
+    one = _run(fake, tmp_path / "one.zarr", samples, workers=1, concurrency=1)
+    par, ref = _contents(tmp_path / "par.zarr"), _contents(tmp_path / "one.zarr")
+    assert one.ok and sorted(par) == sorted(ref) == sorted(s.id for s in samples)
+    for sid, (aux, final, ids) in ref.items():
+        assert torch.equal(par[sid][0], aux) and torch.equal(par[sid][1], final)
+        assert par[sid][2] == ids
+    assert _dumps_left(fake) == []
+
+
+def test_requests_in_flight_stay_bounded_over_all_workers(fake, tmp_path) -> None:
+    generate, now, peak = fake.engine.generate, [0], [0]
+
+    async def counting(request):
+        now[0] += 1
+        peak[0] = max(peak[0], now[0])
+        try:
+            return await generate(request)
+        finally:
+            now[0] -= 1
+
+    fake.engine.generate = counting
+    fake.engine.latency = 0.02
+    summary = _run(fake, tmp_path / "s.zarr", _samples(30), workers=3, concurrency=2)
+    assert summary.ok and summary.samples_done == 30
+    assert peak[0] == 2  # reached, never passed
+
+
+def test_a_rerun_with_another_worker_count_skips_what_is_stored(fake, tmp_path) -> None:
+    samples = _samples(16)
+    _run(fake, tmp_path / "s.zarr", samples[:10], workers=2)
+    summary = _run(fake, tmp_path / "s.zarr", samples, workers=3)
+    assert summary.skipped == 10 and summary.samples_done == 6
+    assert sorted(_contents(tmp_path / "s.zarr")) == sorted(s.id for s in samples)
+
+
+def test_a_killed_worker_loses_nothing_and_its_samples_are_redone(fake, tmp_path) -> None:
+    samples, killed = _samples(40), []
+
+    def kill_one(summary) -> None:
+        if not killed and summary.samples_done >= 8:
+            victim = multiprocessing.active_children()[0]
+            os.kill(victim.pid, signal.SIGKILL)
+            killed.append(victim.pid)
+
+    fake.engine.latency = 0.01
+    summary = _run(fake, tmp_path / "s.zarr", samples, progress=kill_one)
+    assert killed and summary.ok
+    assert sorted(_contents(tmp_path / "s.zarr")) == sorted(s.id for s in samples)
+    assert verify_store(tmp_path / "s.zarr").clean
+    assert multiprocessing.active_children() == []
+
+
+def test_a_worker_that_cannot_open_stops_the_run_with_its_reason(tmp_path) -> None:
+    with pytest.raises(WorkerError, match="ServerNotDumping"):
+        run_parallel_extraction(
+            _samples(4), url="http://127.0.0.1:9", dump_dir=tmp_path, store=tmp_path / "s.zarr",
+            workers=2,
+        )  # fmt: skip
+    assert multiprocessing.active_children() == []
+
+
+def test_failures_in_workers_are_recorded_with_their_dataset_line(fake, tmp_path) -> None:
+    samples = _samples(6)
+    bad = samples[3].input_ids
+    from hsdump.testing import Fault
+
+    fake.engine.fault_for = lambda rid, ids: Fault("error_marker") if ids == bad else None
+    failures = tmp_path / "f.jsonl"
+    summary = _run(
+        fake, tmp_path / "s.zarr", samples, retries=0, failures_path=failures,
+        line_numbers={s.id: i + 1 for i, s in enumerate(samples)},
+    )  # fmt: skip
+    assert [f.sample_id for f in summary.failures] == ["s3"] and summary.samples_done == 5
+    (record,) = [json.loads(line) for line in failures.read_text().splitlines()]
+    assert (record["id"], record["line"], record["error"]) == ("s3", 4, "DumpFailed")
+
+
+# -- the CLI in a process of its own: signals and SIGKILL ---------------------------------------
+
+
+def _cli(server: FakeServer, tmp_path: Path, n: int) -> subprocess.Popen[bytes]:
+    dataset = tmp_path / "d.jsonl"
+    rows = [{"id": s.id, "input_ids": list(s.input_ids)} for s in _samples(n)]
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cmd = [
+        sys.executable, "-c", "from hsdump._cli import main; main()", "extract", str(dataset),
+        "--out", str(tmp_path / "s.zarr"), "--server-url", server.url, "--dump-dir",
+        str(server.dump_dir), "--workers", "2", "--concurrency", "2",
+    ]  # fmt: skip
+    with (tmp_path / "stderr.log").open("ab") as err:
+        return subprocess.Popen(cmd, stderr=err, start_new_session=True)
+
+
+def _committed(store: Path) -> int:
+    try:
+        with open_store(store, "r") as opened:
+            return len(opened)
+    except Exception:
+        return 0
+
+
+def _wait_for_commits(proc: subprocess.Popen[bytes], store: Path, count: int) -> None:
+    deadline = time.monotonic() + 60
+    while _committed(store) < count:
+        assert proc.poll() is None, (store.parent / "stderr.log").read_text()
+        assert time.monotonic() < deadline, "no commit within 60 s"
+        time.sleep(0.05)  # polls another process's store: there is no event to await
+
+
+def _group_gone(pgid: int) -> bool:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sig", "codes"), [(signal.SIGTERM, (130, 143)), (signal.SIGINT, (130,))])
+def test_a_signal_stops_every_worker_and_leaves_nothing_behind(fake, tmp_path, sig, codes):
+    fake.engine.latency = 0.05
+    proc = _cli(fake, tmp_path, 200)
+    _wait_for_commits(proc, tmp_path / "s.zarr", 1)
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)  # Ctrl-C in a terminal reaches the whole process group
+    else:
+        proc.send_signal(sig)
+    proc.wait(timeout=120)
+    err = (tmp_path / "stderr.log").read_text()
+    assert proc.returncode in codes, err
+    assert _group_gone(proc.pid), "a worker outlived the run"
+    assert _dumps_left(fake) == [] and "Traceback" not in err
+    stored = _committed(tmp_path / "s.zarr")
+    assert 0 < stored < 200 and verify_store(tmp_path / "s.zarr").clean
+
+
+@pytest.mark.slow
+def test_a_sigkill_of_the_whole_run_then_a_rerun_resumes_exactly(fake, tmp_path) -> None:
+    fake.engine.latency = 0.02
+    proc = _cli(fake, tmp_path, 120)
+    _wait_for_commits(proc, tmp_path / "s.zarr", 10)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert _group_gone(proc.pid)
+    fake.engine.latency = 0.0
+    rerun = _cli(fake, tmp_path, 120)
+    assert rerun.wait(timeout=150) == 0, (tmp_path / "stderr.log").read_text()
+    assert sorted(_contents(tmp_path / "s.zarr")) == sorted(s.id for s in _samples(120))
+    assert verify_store(tmp_path / "s.zarr").clean
