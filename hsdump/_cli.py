@@ -297,6 +297,7 @@ async def _until_stopped(stop: GracefulStop, job: Callable[[], Awaitable[int]]) 
 
     with anyio.CancelScope() as scope, stop.cancelling(scope):
         return await job()
+    console.print("[yellow]interrupted[/] before the run began: nothing was written")
     return stop.exit_code or EXIT_INTERRUPTED
 
 
