@@ -286,14 +286,13 @@ class HiddenStateClient:
                 await self.budget.release(nbytes)
 
     async def _extract_once(self, sample: Sample) -> HiddenStates:
-        async with self._gate:
-            rid = self._lease.new_rid()
-            path = None
-            try:
-                path = await self._request(sample, rid)
-            finally:
-                if path is None:
-                    self._abandon(rid)
+        rid = self._lease.new_rid()
+        path = None
+        try:
+            path = await self._request(sample, rid)
+        finally:
+            if path is None:
+                self._abandon(rid)
         started = time.perf_counter()
         states = await anyio.to_thread.run_sync(
             self._ingest, sample, rid, path, limiter=self._ingest_limiter
@@ -314,15 +313,20 @@ class HiddenStateClient:
         self.stats.ingest_s += ingest_s
 
     async def _request(self, sample: Sample, rid: str, dump_timeout: float | None = None) -> Path:
-        """Send the request and wait for both its response and its dump."""
+        """Send the request and wait for both its response and its dump.
+
+        The gate is held until the response: then the server is done with the request, and the
+        next one can prefill while this dump is written and read (the byte budget bounds them).
+        """
         dump_timeout = self.dump_timeout if dump_timeout is None else dump_timeout
         found: dict[str, Path] = {}
         dump_seen = anyio.Event()
         error: BaseException | None = None
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._wait_for_dump, rid, found, dump_seen)
             try:
-                await self._send(sample, rid)
+                async with self._gate:
+                    tg.start_soon(self._wait_for_dump, rid, found, dump_seen)
+                    await self._send(sample, rid)
                 waited = time.perf_counter()
                 with anyio.fail_after(dump_timeout):
                     await dump_seen.wait()
@@ -387,8 +391,7 @@ class HiddenStateClient:
         rid, wait = self._lease.new_rid(), min(self.dump_timeout, _PROBE_DUMP_WAIT)
         path = None
         try:
-            async with self._gate:
-                path = await self._request(_PROBE, rid, dump_timeout=wait)
+            path = await self._request(_PROBE, rid, dump_timeout=wait)
         except DumpTimeout as exc:
             raise ServerNotDumping(self._not_here(rid, wait)) from exc
         finally:

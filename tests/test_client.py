@@ -593,3 +593,32 @@ async def test_the_manifest_is_checked_against_the_local_model_config(tmp_path: 
         with pytest.raises(hsdump.ServerConfigError, match=f"hidden size is {HIDDEN * 2}"):
             async with HiddenStateClient(srv.url, dump_dir=dumps):
                 pass
+
+
+async def test_one_in_flight_sends_the_next_request_once_the_server_answered(
+    client: HiddenStateClient, server: FakeServer
+) -> None:
+    """The lock covers the request at the server, not the dump written after its response."""
+    second_arrived, rids = threading.Event(), []
+
+    def fault_for(rid: str, ids: list[int]) -> Fault | None:
+        rids.append(rid)
+        if len(rids) > 1:
+            second_arrived.set()
+            return None
+        return Fault("response_first", delay=0)
+
+    write_dump = server.engine.dump
+
+    def dump(rid: str, ids: list[int], fault: Fault | None = None) -> Path:
+        if rid == rids[0] and not second_arrived.wait(10):
+            raise AssertionError("the second request waited for the first dump")
+        return write_dump(rid, ids, fault or Fault())
+
+    server.engine.fault_for, server.engine.dump = fault_for, dump
+    first, second = sample(0), sample(1)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(client.extract, first)
+        await anyio.wait_all_tasks_blocked()
+        assert_belongs_to(await client.extract(second), second)
+    assert len(rids) == 2 and request_dirs(server.dump_dir) == []
