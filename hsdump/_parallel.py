@@ -174,6 +174,7 @@ async def _extract(spec: WorkerSpec, inbox: _Inbox, reporter: _Reporter) -> None
     )
     async with client:
         with open_store(spec.store, "a", writer_id=spec.writer_id, **spec.store_options) as store:
+            inbox.conn.send(("ready",))
             await run_extraction(
                 inbox.receive, client=client, store=store, retries=spec.retries,
                 concurrency=spec.concurrency, fail_fast=spec.fail_fast, progress=reporter,
@@ -305,6 +306,7 @@ class _Parallel:
         self.closed: dict[str, Any] = {name: 0 for name in (*_COUNTERS, "retries", "skipped")}
         self.closed.update(stages={}, cpu_s=0.0, peak_rss_bytes=0)
         self.stopping = False
+        self._ready = False
         self._skipped_at_start = self.summary.skipped
         self._reported = 0.0
 
@@ -367,6 +369,9 @@ class _Parallel:
         kind = message[0]
         if kind in ("acquire", "release"):
             self._gate(worker, kind)
+        elif kind == "ready" and not self._ready:
+            self._ready = True
+            self.summary.started = time.monotonic()  # rates exclude the workers' start-up
         elif kind == "fatal":
             raise WorkerError(f"worker {worker.spec.writer_id}: {message[1]}: {message[2]}")
         elif kind in ("progress", "exit"):

@@ -12,6 +12,9 @@
 #   bench_dump   the same server with the plugin: dump-only client (waits for done, deletes) vs plain
 #   graphs_1b    the ~1B model with CUDA graphs and the radix cache on: probe_dump.py, then bench --mode dump
 #   bench_plain  the same server without the plugin (server alone), plain client only
+#   kimi         a random Llama with Kimi-K2.5's hidden size (H=7168, 57,344 B a token), SGLang's
+#                defaults (radix cache, CUDA graphs, 8192-token chunks): tests/gpu/kimi.py measures
+#                server alone, dump-only, store alone and hsdump extract at 1/8/32 in flight
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 REPO=$(pwd)
@@ -87,6 +90,20 @@ m.save_pretrained("/tmp/m1b")
 PY
 }
 
+make_kimi() {
+  [ -d /tmp/kimi ] && return
+  python3 - << 'PY'
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+cfg = LlamaConfig(hidden_size=7168, intermediate_size=8192, num_hidden_layers=8, num_attention_heads=56,
+                  num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=32768)
+with torch.device("cuda"):
+    m = LlamaForCausalLM(cfg).to(torch.bfloat16)
+m.save_pretrained("/tmp/kimi")
+PY
+}
+
 BENCH_ARGS=(--model-path /tmp/m1b --disable-radix-cache --disable-cuda-graph --mem-fraction-static 0.5)
 
 setup
@@ -119,6 +136,12 @@ for stage in $STAGES; do
            echo "prefill batches replayed as CUDA graphs: $(grep -c 'Prefill batch.*cuda graph: True' "$OUT/server_graphs_1b.log")" \
              "eager: $(grep -c 'Prefill batch.*cuda graph: False' "$OUT/server_graphs_1b.log")"
            python3 tests/gpu/bench.py --server plugin-graphs --mode dump --url $URL --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" || status=1
+           stop_server; unset HSDUMP_DUMP_DIR ;;
+    kimi) make_kimi
+           export HSDUMP_DUMP_DIR=/dev/shm/hsdump-kimi
+           start_server kimi sglang.launch_server --model-path /tmp/kimi --enable-return-hidden-states || { status=1; continue; }
+           python3 tests/gpu/kimi.py --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" ${KIMI_ARGS:-} || status=1
+           grep -hE "Traceback|hsdump.*(fail|error)" "$OUT/server_kimi.log" | head -10
            stop_server; unset HSDUMP_DUMP_DIR ;;
     bench_plain) make_1b
            start_server bench_plain sglang.launch_server "${BENCH_ARGS[@]}" || { status=1; continue; }

@@ -1,0 +1,215 @@
+"""GPU benchmark at Kimi-K2.5's hidden size (57,344 bytes a token), all rows in one run.
+
+On one server with the plugin, on the same 2048-token prompts: the server alone (rids without the
+opt-in prefix, so nothing is dumped), dump-only (opted in; the client waits for ``done`` and
+deletes), the store alone (the same bytes, already in memory, written into a fresh store on the disk
+and on /dev/shm by as many processes as ``hsdump extract`` uses), and ``hsdump extract`` at 1, 8
+and 32 in flight with the store on the disk and on /dev/shm. It prints the machine's ceilings (disk
+write, codec rate on its cores) and the ratios of the performance issue, and appends JSON lines to
+``$OUT/kimi.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench import dataset, plain
+
+TOKENS, ROW_BYTES = 2048, 4 * 7168 * 2
+
+
+def log(out: Path, **record: object) -> None:
+    print(json.dumps(record), flush=True)
+    with (out / "kimi.jsonl").open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def disk_write_rate(where: Path, gib: int = 4) -> float:
+    """GB/s of one sequential direct write with fdatasync (``dd``), as the issue measured it."""
+    target = where / "dd.bin"
+    t0 = time.perf_counter()
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={target}", "bs=64M", f"count={gib * 16}", "oflag=direct",
+         "conv=fdatasync"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    seconds = time.perf_counter() - t0
+    target.unlink()
+    return gib * (1 << 30) / seconds / 1e9
+
+
+def codec_rate(sample: np.ndarray, threads: int) -> float:
+    """GB/s of the store's codec (Blosc zstd-1, byte shuffle, 1 MiB blocks) on ``threads``."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from numcodecs import Blosc
+
+    codec = Blosc(cname="zstd", clevel=1, shuffle=Blosc.SHUFFLE, blocksize=1 << 20)
+    Blosc.use_threads = False
+    chunks = [sample[i : i + (2 << 20)] for i in range(0, len(sample), 2 << 20)]
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(codec.encode, chunks[:threads]))
+        t0 = time.perf_counter()
+        for _ in range(3):
+            list(pool.map(codec.encode, chunks))
+        seconds = time.perf_counter() - t0
+    return 3 * sample.nbytes / seconds / 1e9
+
+
+def extract(args: argparse.Namespace, rows: list[dict], where: Path, conc: int) -> dict:
+    work = where / f"kimi-{conc}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    data = Path("/tmp/kimi-data.jsonl")
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cmd = [
+        "hsdump", "extract", str(data), "--out", str(work / "store.zarr"), "--server-url",
+        args.url, "--dump-dir", args.dump_dir, "--concurrency", str(conc), "--retries", "0",
+        "--workers", str(args.workers),
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    env = {**os.environ, "COLUMNS": "250"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    wall = time.perf_counter() - t0
+    text = proc.stdout + proc.stderr
+    (args.out / "kimi_extract.log").open("a").write(f"## {where} {conc}\n{text[-3000:]}\n")
+    found = re.search(r"done: .*?([\d,]+) tokens/s", text)
+    busy = re.search(r"([\d.]+) cores busy, peak memory ([\d.]+) GB", text)
+    return {
+        "rc": proc.returncode,
+        "tok_per_s": int(found.group(1).replace(",", "")) if found else 0,
+        "process_wall_s": round(wall, 2),
+        "cores_busy": float(busy.group(1)) if busy else None,
+        "peak_rss_gb": float(busy.group(2)) if busy else None,
+        "store": str(work / "store.zarr"),
+    }
+
+
+def _store_part(source: str, dest: str, index: int, workers: int, barrier, results) -> None:
+    """One writer of the store-alone row: load its share (untimed), then write it (timed)."""
+    import anyio
+
+    from hsdump import open_store
+
+    with open_store(source, "r") as src:
+        states = [src[sid] for sid in sorted(src)[index::workers]]
+    barrier.wait()
+    t0 = time.monotonic()
+    with open_store(dest, "a", writer_id=f"w{index}") as store:
+        for hs in states:
+            anyio.run(store.write, hs)
+    results.put((t0, time.monotonic(), sum(hs.num_tokens for hs in states)))
+
+
+def store_alone(source: str, where: Path, workers: int) -> float:
+    dest = where / "kimi-store-alone.zarr"
+    shutil.rmtree(dest, ignore_errors=True)
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(workers), ctx.Queue()
+    procs = [
+        ctx.Process(target=_store_part, args=(source, str(dest), i, workers, barrier, results))
+        for i in range(workers)
+    ]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    shutil.rmtree(dest, ignore_errors=True)
+    start, end = min(g[0] for g in got), max(g[1] for g in got)
+    return sum(g[2] for g in got) / (end - start)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--url", default="http://127.0.0.1:30000")
+    p.add_argument("--dump-dir", required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--disk", type=Path, default=Path("/tmp/kimi-disk"))
+    p.add_argument("--prompts", type=int, default=96)
+    p.add_argument("--workers", type=int, default=0, help="0: hsdump's default")
+    p.add_argument("--rows", default="server,dump,extract,store")
+    args = p.parse_args()
+    args.disk.mkdir(parents=True, exist_ok=True)
+    shm = Path("/dev/shm/kimi-store")
+    shm.mkdir(parents=True, exist_ok=True)
+    if not args.workers:
+        from hsdump._cli import default_workers
+
+        args.workers = default_workers()
+    rows = dataset(TOKENS, args.prompts, 7)
+    tokens = TOKENS * args.prompts
+    asyncio.run(plain(args.url, dataset(512, 16, 99), 4))  # warm-up (JIT)
+    results: dict[str, float] = {}
+    cores = os.cpu_count() or 1
+    disk = disk_write_rate(args.disk)
+    log(args.out, row="ceiling", what="disk write GB/s", value=round(disk, 3))
+    for conc in (1, 8, 32):
+        seconds = asyncio.run(plain(args.url, rows, conc))
+        results[f"server-{conc}"] = tokens / seconds
+        log(args.out, row="server alone", conc=conc, tok_per_s=round(tokens / seconds))
+    for conc in (1, 8, 32):
+        seconds = asyncio.run(plain(args.url, rows, conc, args.dump_dir))
+        results[f"dump-{conc}"] = tokens / seconds
+        log(
+            args.out, row="dump-only", conc=conc, tok_per_s=round(tokens / seconds),
+            ratio=round(tokens / seconds / results[f"server-{conc}"], 3),
+        )  # fmt: skip
+    source = None
+    for where, label in ((args.disk, "disk"), (shm, "shm")):
+        for conc in (1, 8, 32):
+            got = extract(args, rows, where, conc)
+            results[f"extract-{label}-{conc}"] = got["tok_per_s"]
+            log(args.out, row="extract", on=label, conc=conc, workers=args.workers, **got)
+            if conc == 8 and label == "disk":
+                source = got["store"]
+            else:
+                shutil.rmtree(got["store"], ignore_errors=True)
+    assert source is not None
+    verify = subprocess.run(["hsdump", "verify-store", source], capture_output=True, text=True)
+    log(args.out, row="verify-store", rc=verify.returncode, said=verify.stdout.strip()[-300:])
+    from hsdump import open_store
+
+    with open_store(source, "r") as opened:
+        stored_fraction = opened.bytes_stored / opened.bytes_raw
+        first = opened[sorted(opened)[0]]
+    sample = first.aux_hidden_states.contiguous().view(torch.uint8).reshape(-1).numpy()
+    codec = codec_rate(np.tile(sample, max(1, (256 << 20) // sample.nbytes)), cores)
+    log(args.out, row="ceiling", what=f"codec GB/s on {cores} threads", value=round(codec, 3))
+    log(args.out, row="ceiling", what="stored fraction", value=round(stored_fraction, 3))
+    ceiling_disk = min(disk / stored_fraction, codec) * 1e9 / ROW_BYTES
+    ceiling_shm = codec * 1e9 / ROW_BYTES
+    for where, label, ceiling in ((args.disk, "disk", ceiling_disk), (shm, "shm", ceiling_shm)):
+        rate = store_alone(source, where, args.workers)
+        results[f"store-{label}"] = rate
+        log(
+            args.out, row="store alone", on=label, workers=args.workers,
+            tok_per_s=round(rate), ceiling_tok_per_s=round(ceiling), ratio=round(rate / ceiling, 3),
+        )  # fmt: skip
+    shutil.rmtree(source, ignore_errors=True)
+    for label in ("disk", "shm"):
+        for conc in (1, 8, 32):
+            bound = min(results[f"server-{conc}"], results[f"store-{label}"])
+            log(
+                args.out, row="ratio", what=f"extract/min(server, store) {label} {conc}",
+                value=round(results[f"extract-{label}-{conc}"] / bound, 3),
+                target=0.8 if conc == 1 else 0.9,
+            )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
