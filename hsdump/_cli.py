@@ -389,8 +389,9 @@ def _extract_parallel(options: dict[str, Any], url: str, dump_dir: Path | None) 
 
 
 def default_workers() -> int:
-    """Worker processes for ``--workers 0``: one per four cores, 1 to 8."""
-    return max(1, min(8, (os.cpu_count() or 1) // 4))
+    """Worker processes for ``--workers 0``: one per two cores, 1 to 16 (one process compresses
+    ~0.36 GB/s at H=7168, measured on the H200 host: the store scales with processes)."""
+    return max(1, min(16, (os.cpu_count() or 1) // 2))
 
 
 @app.command(help=EXTRACT_HELP)
@@ -412,7 +413,7 @@ def extract(
         typer.Option(
             min=0,
             help="Processes that check and store dumps, each into its own store part "
-            "(0: one per four cores, 1 to 8; 1: this process only).",
+            "(0: one per two cores, 1 to 16; 1: this process only).",
         ),
     ] = 0,
     retries: Annotated[int, typer.Option(min=0, help="Retries of a transient failure.")] = 3,

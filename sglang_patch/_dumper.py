@@ -11,7 +11,7 @@ import torch
 from sglang_patch._config import PluginConfig
 from sglang_patch._plan import BatchPlan, ChunkPlanner
 from sglang_patch._staging import PinnedRing, Stager
-from sglang_patch._writer import DumpFormat, WriterThread
+from sglang_patch._writer import DumpFormat, StageClock, WriterThread
 
 __all__ = ["Dumper", "torch_dtype_name"]
 
@@ -56,6 +56,7 @@ class Dumper:
             submit=self.writer.submit_rows,
         )
         self._next_expiry = time.monotonic() + config.partial_ttl_s
+        self.clock = StageClock("scheduler", config.profile_s)
         self.writer.start()
 
     def on_forward(self, batch: Any, logits_output: Any) -> None:
@@ -73,6 +74,7 @@ class Dumper:
                 self.planner.forget(piece.rid)
                 self.writer.submit_error(piece.rid, problem)
             return
+        started = time.perf_counter()
         try:
             for s in plan.slices:
                 self.stager.stage(
@@ -80,6 +82,7 @@ class Dumper:
                 )
         finally:
             self.stager.flush()
+            self.clock.add("stage", started)
 
     def close(self) -> None:
         """Write what is queued and stop the writer thread."""

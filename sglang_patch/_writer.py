@@ -60,6 +60,29 @@ class _Assembly:
     pieces: int = 0
 
 
+class StageClock:
+    """Seconds spent per stage, logged every ``interval_s`` (``HSDUMP_PROFILE_S``; 0: off)."""
+
+    def __init__(self, name: str, interval_s: float):
+        self.name, self.interval_s = name, interval_s
+        self.seconds: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._next = time.monotonic() + interval_s
+
+    def add(self, stage: str, started: float) -> float:
+        """Add the time since ``started`` (a ``perf_counter``) to ``stage``; returns now."""
+        now = time.perf_counter()
+        if not self.interval_s:
+            return now
+        with self._lock:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + now - started
+            if time.monotonic() >= self._next:
+                self._next = time.monotonic() + self.interval_s
+                stages = ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items())
+                logger.info("hsdump: %s time per stage so far: %s", self.name, stages)
+        return now
+
+
 class WriterThread:
     """Consumes staged pieces, errors and aborts in order, on a daemon thread.
 
@@ -79,6 +102,7 @@ class WriterThread:
         self._published_bytes = 0
         self._thread = threading.Thread(target=self._run, name="hsdump-writer", daemon=True)
         self._pool = ThreadPoolExecutor(config.write_threads, thread_name_prefix="hsdump-write")
+        self.clock = StageClock("writer", config.profile_s)
 
     def start(self) -> WriterThread:
         """Start the thread; returns self."""
@@ -115,7 +139,9 @@ class WriterThread:
 
     def _run(self) -> None:
         while True:
+            idle = time.perf_counter()
             kind, payload = self._queue.get()
+            self.clock.add("idle", idle)
             if kind == "stop":
                 return
             try:
@@ -136,12 +162,17 @@ class WriterThread:
     def _write_group(self, event: Any, pieces: list[Piece]) -> None:
         """Write a group's pieces on the pool, then account for them in order."""
         try:
+            started = time.perf_counter()
             event.synchronize()
+            started = self.clock.add("cuda_wait", started)
             jobs = [(piece, self._assembly_for(piece)) for piece in pieces]
+            started = self.clock.add("open", started)
             writes = [(p, a, self._submit_writes(p, a)) for p, a in jobs if a is not None]
             wait([future for _, _, futures in writes for future in futures])
+            started = self.clock.add("write", started)
             for piece, assembly, futures in writes:
                 self._settle(piece, assembly, futures)
+            self.clock.add("publish", started)
         finally:
             for piece in pieces:
                 self._release(piece.block)

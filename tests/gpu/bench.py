@@ -61,7 +61,7 @@ async def consume(path: Path) -> None:
         if (path / "error").exists():
             raise RuntimeError((path / "error").read_text())
         await asyncio.sleep(0.002)
-    shutil.rmtree(path)
+    await asyncio.to_thread(shutil.rmtree, path)
 
 
 def extract(

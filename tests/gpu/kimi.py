@@ -99,6 +99,18 @@ def extract(args: argparse.Namespace, rows: list[dict], where: Path, conc: int) 
     }
 
 
+def record_server(args: argparse.Namespace, tag: str) -> subprocess.Popen[bytes] | None:
+    """py-spy on the scheduler process for a few seconds (collapsed stacks, all threads)."""
+    found = subprocess.run(["pgrep", "-f", "sglang::scheduler"], capture_output=True, text=True)
+    pids = found.stdout.split()
+    if not pids:
+        return None
+    out = args.out / f"spy-{tag}.txt"
+    cmd = [args.spy, "record", "--pid", pids[0], "--duration", "4", "--rate", "200",
+           "--format", "raw", "--threads", "--idle", "--nonblocking", "-o", str(out)]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def _store_part(source: str, dest: str, index: int, workers: int, barrier, results) -> None:
     """One writer of the store-alone row: load its share (untimed), then write it (timed)."""
     import anyio
@@ -142,8 +154,10 @@ def main() -> None:
     p.add_argument("--disk", type=Path, default=Path("/tmp/kimi-disk"))
     p.add_argument("--prompts", type=int, default=96)
     p.add_argument("--workers", type=int, default=0, help="0: hsdump's default")
-    p.add_argument("--rows", default="server,dump,extract,store")
+    p.add_argument("--concs", default="1,8,32")
+    p.add_argument("--spy", default="", help="py-spy binary: record the server during dump-only")
     args = p.parse_args()
+    concs = [int(c) for c in args.concs.split(",")]
     args.disk.mkdir(parents=True, exist_ok=True)
     shm = Path("/dev/shm/kimi-store")
     shm.mkdir(parents=True, exist_ok=True)
@@ -158,12 +172,15 @@ def main() -> None:
     cores = os.cpu_count() or 1
     disk = disk_write_rate(args.disk)
     log(args.out, row="ceiling", what="disk write GB/s", value=round(disk, 3))
-    for conc in (1, 8, 32):
+    for conc in concs:
         seconds = asyncio.run(plain(args.url, rows, conc))
         results[f"server-{conc}"] = tokens / seconds
         log(args.out, row="server alone", conc=conc, tok_per_s=round(tokens / seconds))
-    for conc in (1, 8, 32):
+    for conc in concs:
+        spy = record_server(args, f"dump-{conc}") if args.spy else None
         seconds = asyncio.run(plain(args.url, rows, conc, args.dump_dir))
+        if spy is not None:
+            spy.wait()
         results[f"dump-{conc}"] = tokens / seconds
         log(
             args.out, row="dump-only", conc=conc, tok_per_s=round(tokens / seconds),
@@ -171,7 +188,7 @@ def main() -> None:
         )  # fmt: skip
     source = None
     for where, label in ((args.disk, "disk"), (shm, "shm")):
-        for conc in (1, 8, 32):
+        for conc in concs:
             got = extract(args, rows, where, conc)
             results[f"extract-{label}-{conc}"] = got["tok_per_s"]
             log(args.out, row="extract", on=label, conc=conc, workers=args.workers, **got)
@@ -202,7 +219,7 @@ def main() -> None:
         )  # fmt: skip
     shutil.rmtree(source, ignore_errors=True)
     for label in ("disk", "shm"):
-        for conc in (1, 8, 32):
+        for conc in concs:
             bound = min(results[f"server-{conc}"], results[f"store-{label}"])
             log(
                 args.out, row="ratio", what=f"extract/min(server, store) {label} {conc}",
