@@ -233,6 +233,7 @@ class WriterThread:
                 num_layers=len(self.fmt.layer_ids),
                 hidden_size=self.fmt.hidden_size,
                 dtype=self.fmt.dtype,
+                mapped=True,
             )
         except (OSError, ValueError) as exc:
             self._fail(piece.rid, f"could not create its dump in {self.config.dump_dir}: {exc}")
