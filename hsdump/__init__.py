@@ -36,6 +36,7 @@ from hsdump._exceptions import (
     StoreCorruptedError,
     StoreError,
     TokenMismatch,
+    WorkerError,
 )
 from hsdump._types import HiddenStates, Sample
 
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from hsdump._client import HiddenStateClient
     from hsdump._dataset import HiddenStateDataset
     from hsdump._export import ExportSummary, export_store
+    from hsdump._parallel import run_parallel_extraction
     from hsdump._pipeline import Backoff, ExtractionSummary, run_extraction
     from hsdump._reference import ReferenceServer
     from hsdump._store import HiddenStateStore, open_store
@@ -67,6 +69,7 @@ _LAZY = {
     "open_store": "hsdump._store",
     "pad_collate": "hsdump._batching",
     "run_extraction": "hsdump._pipeline",
+    "run_parallel_extraction": "hsdump._parallel",
 }
 
 __all__ = [
@@ -109,11 +112,13 @@ __all__ = [
     "StoreCorruptedError",
     "StoreError",
     "TokenMismatch",
+    "WorkerError",
     "__version__",
     "export_store",
     "open_store",
     "pad_collate",
     "run_extraction",
+    "run_parallel_extraction",
 ]
 
 

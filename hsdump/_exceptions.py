@@ -33,7 +33,8 @@ The tree::
     │   ├── SampleNotFoundError (KeyError)
     │   ├── ProvenanceMismatch
     │   └── StoreCorruptedError
-    └── ExportError                         writing a trainer's files from a store
+    ├── ExportError                         writing a trainer's files from a store
+    └── WorkerError                         a worker process could not start or kept dying
 
 ``exc.transient`` says whether retrying the sample with a fresh request may succeed.
 """
@@ -67,6 +68,7 @@ __all__ = [
     "StoreCorruptedError",
     "StoreError",
     "TokenMismatch",
+    "WorkerError",
 ]
 
 
@@ -214,3 +216,7 @@ class StoreCorruptedError(StoreError):
 class ExportError(HsdumpError):
     """A store cannot be exported as asked: the trainer needs what the store does not hold (a
     convention that cannot be converted), or the output directory belongs to another export."""
+
+
+class WorkerError(HsdumpError):
+    """A worker process of a multi-process extraction could not start or kept dying."""

@@ -40,7 +40,7 @@ import anyio
 import anyio.to_thread
 from anyio.abc import TaskGroup
 
-from hsdump._exceptions import ConfigError, HsdumpError
+from hsdump._exceptions import ConfigError, HsdumpError, WorkerError
 from hsdump._pipeline import (
     ExtractionSummary,
     Failure,
@@ -51,7 +51,7 @@ from hsdump._pipeline import (
 )
 from hsdump._types import Sample
 
-__all__ = ["WorkerError", "run_parallel_extraction"]
+__all__ = ["run_parallel_extraction"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +59,6 @@ _POLL_S = 0.05
 _MAX_RESTARTS = 3
 _STOP_GRACE_S = 120.0
 _COUNTERS = ("samples_done", "tokens_done", "bytes_raw", "bytes_stored", "store_bytes_raw")
-
-
-class WorkerError(HsdumpError):
-    """A worker process could not start or kept dying; the message says which and why."""
 
 
 @dataclass

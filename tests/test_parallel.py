@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsdump import Sample
-from hsdump._parallel import WorkerError, run_parallel_extraction
+from hsdump import Sample, WorkerError, run_parallel_extraction
 from hsdump._store import open_store, verify_store
 from hsdump.testing import FakeServer
 
