@@ -146,6 +146,20 @@ def store_alone(source: str, where: Path, workers: int) -> float:
     return sum(g[2] for g in got) / (end - start)
 
 
+def sweep(args: argparse.Namespace, rows: list[dict], shm: Path, concs, results) -> None:
+    """``hsdump extract`` on /dev/shm with each worker count: how the client's share of the cores
+    moves the end-to-end rate."""
+    for workers in (int(w) for w in args.sweep_workers.split(",")):
+        args.workers = workers
+        for conc in concs:
+            got = extract(args, rows, shm, conc)
+            shutil.rmtree(got["store"], ignore_errors=True)
+            log(
+                args.out, row="extract sweep", conc=conc, workers=workers, **got,
+                of_dump_only=round(got["tok_per_s"] / results[f"dump-{conc}"], 3),
+            )  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--url", default="http://127.0.0.1:30000")
@@ -156,6 +170,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0, help="0: hsdump's default")
     p.add_argument("--concs", default="1,8,32")
     p.add_argument("--spy", default="", help="py-spy binary: record the server during dump-only")
+    p.add_argument("--sweep-workers", default="", help="e.g. 2,4,8: only extract rows on /dev/shm")
     args = p.parse_args()
     concs = [int(c) for c in args.concs.split(",")]
     args.disk.mkdir(parents=True, exist_ok=True)
@@ -186,6 +201,9 @@ def main() -> None:
             args.out, row="dump-only", conc=conc, tok_per_s=round(tokens / seconds),
             ratio=round(tokens / seconds / results[f"server-{conc}"], 3),
         )  # fmt: skip
+    if args.sweep_workers:
+        sweep(args, rows, shm, concs, results)
+        return
     source = None
     for where, label in ((args.disk, "disk"), (shm, "shm")):
         for conc in concs:
