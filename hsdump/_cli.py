@@ -597,7 +597,7 @@ def verify_store(store: Annotated[Path, typer.Argument(help="The Zarr store to c
 
 @app.command()
 def stats(store: Annotated[Path, typer.Argument(help="The Zarr store to summarise.")]) -> None:
-    """Per-layer data-quality summary: count, mean, std, max |x|, non-finite values.
+    """The store's provenance, then a per-layer summary: count, mean, std, max |x|, non-finite.
 
     \b
     Example:
@@ -605,11 +605,14 @@ def stats(store: Annotated[Path, typer.Argument(help="The Zarr store to summaris
     """
 
     def job() -> int:
+        from hsdump._provenance import describe
         from hsdump._store import open_store
 
         with open_store(store, "r") as opened:
             layers = opened.stats()
             out.print(f"{len(opened)} samples, {opened.num_tokens:,} tokens in {store}")
+            for line in describe(opened.provenance):
+                out.print(line, markup=False, highlight=False, soft_wrap=True)
         table = Table("layer", "values", "mean", "std", "max |x|", "non-finite")
         for layer in layers:
             row = layer.summary()

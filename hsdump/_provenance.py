@@ -12,7 +12,7 @@ from hsdump._exceptions import ProvenanceMismatch
 if TYPE_CHECKING:
     from hsdump._types import HiddenStates
 
-__all__ = ["SETTING_FIELDS", "Provenance", "check_compatible", "provenance_of"]
+__all__ = ["SETTING_FIELDS", "Provenance", "check_compatible", "describe", "provenance_of"]
 
 # Fields that define "the same setting": samples differing in any of these must not share a store.
 # Creation time, hsdump version and codec are informational (they never change the values).
@@ -89,6 +89,40 @@ def provenance_of(hs: HiddenStates, dtype: str, codec: dict[str, Any]) -> Proven
             producer_version=meta.producer.version,
         )
     return Provenance(**fields)
+
+
+def describe(prov: Provenance | None) -> list[str]:
+    """Lines that say what produced a store: model, producer, layer ids and final norm.
+
+    Layer ids are shown in both conventions a trainer meets: hsdump's (transformers'
+    ``hidden_states[i]``) and SGLang's API ids, which are these minus one.
+    """
+    if prov is None:
+        return ["provenance: none recorded (the store holds no sample yet)"]
+    model = prov.model_path or _UNKNOWN
+    if prov.model_revision:
+        model += f" (revision {prov.model_revision})"
+    producer = " ".join(x for x in (prov.producer_name, prov.producer_version) if x) or _UNKNOWN
+    ids = ", ".join(str(i) for i in prov.layer_ids)
+    sglang = ", ".join(str(i - 1) for i in prov.layer_ids if i >= 1) or "none"
+    sglang += " (transformers' minus one"
+    sglang += "; layer 0, the embeddings, has none)" if 0 in prov.layer_ids else ")"
+    convention = "" if prov.layer_convention else ", convention not recorded"
+    return [
+        f"model: {model}",
+        f"producer: {producer}",
+        f"layer ids: {ids} (transformers hidden_states[i]{convention})",
+        f"SGLang API layer ids: {sglang}",
+        f"final state: {_FINAL_NORM.get(prov.final_norm or '', _UNKNOWN)}",
+        f"hidden size {prov.hidden_size}, dtype {prov.dtype}",
+    ]
+
+
+_UNKNOWN = "unknown (not recorded)"
+_FINAL_NORM = {
+    "post_norm": "post-norm (after the model's last norm)",
+    "pre_norm": "pre-norm (before the model's last norm)",
+}
 
 
 def check_compatible(store: Provenance, sample: Provenance, *, where: str, sample_id: str) -> None:

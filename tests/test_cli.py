@@ -338,3 +338,40 @@ def test_a_second_ctrl_c_during_the_cleanup_does_not_abort_it(model_dir, tmp_pat
     assert "still stopping: " in output and re.search(r"^interrupted: \d+ samples", output, re.M)
     assert "terminate called" not in output and "Traceback" not in output
     assert not run.root.exists()
+
+
+def test_stats_shows_the_stores_provenance_above_its_table(tmp_path):
+    from store_crash_writer import make_sample
+
+    from hsdump._protocol import DumpMeta, ProducerInfo
+
+    hs = make_sample(0, layers=[1, 3, 5])
+    t, k, h = hs.aux_hidden_states.shape
+    hs.meta = DumpMeta(
+        rid="r-s0", input_ids=hs.input_ids.tolist(), num_tokens=t, layer_ids=hs.layer_ids,
+        final_norm="pre_norm", hidden_size=h, dtype="bfloat16", aux_shape=(t, k, h),
+        final_shape=(t, h), producer=ProducerInfo(name="sglang-hsdump", version="0.3"),
+        model_path="org/model",
+    )  # fmt: skip
+    with open_store(tmp_path / "s.zarr", "a") as store:
+        store.write_sync(hs)
+    result = runner.invoke(app, ["stats", str(tmp_path / "s.zarr")])
+    assert result.exit_code == 0, result.output
+    provenance = result.output.split("non-finite", 1)[0]  # printed above the table
+    assert "model: org/model" in provenance and "producer: sglang-hsdump 0.3" in provenance
+    assert "layer ids: 1, 3, 5 (transformers hidden_states[i])" in provenance
+    assert "SGLang API layer ids: 0, 2, 4" in provenance
+    assert "final state: pre-norm" in provenance
+
+
+def test_stats_says_which_provenance_a_hand_built_store_lacks(tmp_path):
+    from store_crash_writer import make_sample
+
+    with open_store(tmp_path / "s.zarr", "a") as store:
+        store.write_sync(make_sample(1, layers=[0, 2]))
+    result = runner.invoke(app, ["stats", str(tmp_path / "s.zarr")])
+    assert result.exit_code == 0, result.output
+    assert "model: unknown (not recorded)" in result.output
+    assert "final state: unknown (not recorded)" in result.output
+    sglang = "SGLang API layer ids: 1 (transformers' minus one; layer 0, the embeddings, has none)"
+    assert sglang in result.output
