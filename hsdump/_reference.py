@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import anyio.to_thread
 
@@ -42,7 +42,13 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
-__all__ = ["ReferenceEngine", "ReferenceServer", "build_default_model", "default_layer_ids"]
+__all__ = [
+    "ReferenceEngine",
+    "ReferenceServer",
+    "build_default_model",
+    "capture_states",
+    "default_layer_ids",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -88,14 +94,48 @@ def default_layer_ids(num_layers: int) -> list[int]:
     return sorted({min(max(i, 0), num_layers - 1) for i in wanted})
 
 
-def _load_model(model: str | os.PathLike[str], device: str) -> PreTrainedModel:
+def capture_states(
+    model: PreTrainedModel,
+    ids: list[int],
+    layer_ids: list[int],
+    final_norm: Literal["post_norm", "pre_norm"] = "post_norm",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The states SGLang dumps for one prompt, in the model's dtype and on its device.
+
+    Returns:
+        The aux states ``[T, K, H]`` (``hidden_states[i]`` for each of ``layer_ids``) and the
+        final state ``[T, H]``: the lm_head input (``hidden_states[-1]``) when ``post_norm``,
+        the last decoder layer's output before the final norm when ``pre_norm``.
+    """
+    import torch
+
+    base: Any = model.base_model
+    before_norm: list[torch.Tensor] = []
+    hook = None
+    if final_norm == "pre_norm":  # transformers' hidden_states holds no pre-norm final state
+        hook = base.norm.register_forward_hook(lambda _m, args, _o: before_norm.append(args[0]))
+    x = torch.tensor([ids], device=model.device)
+    try:
+        with torch.inference_mode():
+            hidden = base(input_ids=x, output_hidden_states=True, use_cache=False).hidden_states
+    finally:
+        if hook is not None:
+            hook.remove()
+    aux = torch.stack([hidden[i][0] for i in layer_ids], dim=1)
+    return aux, (before_norm[0] if before_norm else hidden[-1])[0]
+
+
+def _load_model(
+    model: str | os.PathLike[str], device: str, dtype: torch.dtype | None = None
+) -> PreTrainedModel:
+    """Load a local causal LM in ``dtype``, or the device's choice when None."""
     import torch
     from transformers import AutoModelForCausalLM
 
     # bf16 matmuls are slow on most CPUs: compute in fp32 there, dump bf16 like SGLang does.
-    dtype: Any = "auto" if device.startswith("cuda") else torch.float32
+    chosen: Any = dtype or ("auto" if device.startswith("cuda") else torch.float32)
     try:
-        return _ready(AutoModelForCausalLM.from_pretrained(os.fspath(model), dtype=dtype))
+        return _ready(AutoModelForCausalLM.from_pretrained(os.fspath(model), dtype=chosen))
     except (OSError, ValueError) as exc:
         raise ConfigError(
             f"cannot load a causal LM from {os.fspath(model)!r}: {exc}. Pass a local directory "
@@ -254,12 +294,8 @@ class ReferenceEngine:
     def _capture(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         import torch
 
-        x = torch.tensor([ids], device=self.model.device)
-        with torch.inference_mode():
-            states = self.model.base_model(input_ids=x, output_hidden_states=True, use_cache=False)
-        hidden = states.hidden_states
-        aux = torch.stack([hidden[i][0] for i in self.layer_ids], dim=1)
-        return aux.to(torch.bfloat16).cpu(), hidden[-1][0].to(torch.bfloat16).cpu()
+        aux, final = capture_states(self.model, ids, self.layer_ids)
+        return aux.to(torch.bfloat16).cpu(), final.to(torch.bfloat16).cpu()
 
     def _dump(self, rid: str, ids: list[int], aux: torch.Tensor, final: torch.Tensor) -> None:
         import torch
