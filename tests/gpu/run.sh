@@ -76,32 +76,28 @@ tiny() {  # name, expected layers, launcher module, server args...
   grep -hE "Traceback|hsdump.*(fail|error)" "$OUT/server_$name.log" | head -10
 }
 
-make_1b() {
-  [ -d /tmp/m1b ] && return
-  python3 - << 'PY'
+make_llama() {  # directory, LlamaConfig keyword arguments: a random bf16 Llama built on the GPU
+  [ -d "$1" ] && return
+  python3 - "$1" "$2" << 'PY'
+import sys
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 torch.manual_seed(0)
-cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
-                  num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=8192)
+cfg = eval(f"LlamaConfig({sys.argv[2]}, head_dim=128, vocab_size=32000)")
 with torch.device("cuda"):
     m = LlamaForCausalLM(cfg).to(torch.bfloat16)
-m.save_pretrained("/tmp/m1b")
+m.save_pretrained(sys.argv[1])
 PY
 }
 
-make_kimi() {
-  [ -d /tmp/kimi ] && return
-  python3 - << 'PY'
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-torch.manual_seed(0)
-cfg = LlamaConfig(hidden_size=7168, intermediate_size=8192, num_hidden_layers=8, num_attention_heads=56,
-                  num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=32768)
-with torch.device("cuda"):
-    m = LlamaForCausalLM(cfg).to(torch.bfloat16)
-m.save_pretrained("/tmp/kimi")
-PY
+make_1b() {
+  make_llama /tmp/m1b "hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, \
+    num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=8192"
+}
+
+make_kimi() {  # Kimi-K2.5's hidden size: 4 x 7168 bf16 values, 57,344 bytes a token
+  make_llama /tmp/kimi "hidden_size=7168, intermediate_size=8192, num_hidden_layers=8, \
+    num_attention_heads=56, num_key_value_heads=8, max_position_embeddings=32768"
 }
 
 BENCH_ARGS=(--model-path /tmp/m1b --disable-radix-cache --disable-cuda-graph --mem-fraction-static 0.5)
