@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from hsdump._pipeline import Backoff, ExtractionSummary, run_extraction
     from hsdump._reference import ReferenceServer
     from hsdump._store import HiddenStateStore, open_store
-    from hsdump._watcher import DumpWatcher, InotifyWatcher, PollingWatcher
+    from hsdump._watcher import DumpWatcher, InotifyWatcher, PollingWatcher, WatchfilesWatcher
 
 __version__ = "0.1.0"
 
@@ -65,6 +65,7 @@ _LAZY = {
     "LengthBucketSampler": "hsdump._batching",
     "PollingWatcher": "hsdump._watcher",
     "ReferenceServer": "hsdump._reference",
+    "WatchfilesWatcher": "hsdump._watcher",
     "export_store": "hsdump._export",
     "open_store": "hsdump._store",
     "pad_collate": "hsdump._batching",
@@ -112,6 +113,7 @@ __all__ = [
     "StoreCorruptedError",
     "StoreError",
     "TokenMismatch",
+    "WatchfilesWatcher",
     "WorkerError",
     "__version__",
     "export_store",

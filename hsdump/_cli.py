@@ -284,7 +284,7 @@ def _read_dataset(options: dict[str, Any], limits: Any) -> tuple[Any, list[Any]]
 
 
 def _client_options(options: dict[str, Any]) -> dict[str, Any]:
-    names = ("dump_timeout", "request_timeout")
+    names = ("dump_timeout", "request_timeout", "watcher")
     return {name: options[name] for name in names if options.get(name) is not None}
 
 
@@ -430,6 +430,10 @@ def extract(
         float, typer.Option(min=0.001, help="Seconds to wait for the server's HTTP response.")
     ] = 600.0,
     dump_timeout: Annotated[float, typer.Option(help="Seconds to wait for a dump.")] = 60.0,
+    watcher: Annotated[
+        Literal["inotify", "poll", "watchfiles"] | None,
+        typer.Option(help="How to wait for dumps (default: HSDUMP_WATCHER, else inotify)."),
+    ] = None,
     shard_tokens: Annotated[
         int | None, typer.Option(help="Tokens per store shard (store default when unset).")
     ] = None,
@@ -451,6 +455,7 @@ def extract(
         "tokenizer": tokenizer,
         "request_timeout": request_timeout,
         "dump_timeout": dump_timeout,
+        "watcher": watcher,
         "shard_tokens": shard_tokens,
         "log_every": log_every,
     }

@@ -106,7 +106,8 @@ class HiddenStateClient:
         max_in_flight: Requests at the server at once (1: one at a time, through a lock).
         request_timeout: Seconds to wait for the HTTP response.
         dump_timeout: Seconds to wait for the dump once the response has arrived.
-        watcher: A :class:`DumpWatcher`, or "inotify"/"poll" (default: inotify on Linux).
+        watcher: A :class:`DumpWatcher`, or "inotify"/"poll"/"watchfiles" (default:
+            ``$HSDUMP_WATCHER``, else inotify on Linux).
         expected_layer_ids: Refuse dumps of other aux layers (default: the producer manifest's).
         dump_budget_bytes: Most bytes of requested-but-not-ingested dumps (default: half of the
             free space of the dump root's filesystem).

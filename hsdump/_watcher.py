@@ -3,7 +3,9 @@
 :class:`InotifyWatcher` reads Linux inotify events straight from the kernel on the event loop
 (``loop.add_reader``), so a dump is seen within microseconds and an idle watcher costs no CPU.
 watchfiles was measured first: its Rust loop wakes every ``step`` ms (p50 wake-up 2.0 ms at
-``step=1``) and ``step=0`` spins a whole core, so it cannot meet a sub-millisecond wake-up.
+``step=1``) and ``step=0`` spins a whole core, so it cannot meet a sub-millisecond wake-up; it is
+offered as :class:`WatchfilesWatcher` (``watcher="watchfiles"``) for platforms where the Rust
+``notify`` crate has a backend and inotify_simple does not.
 :class:`PollingWatcher` is the fallback for filesystems without inotify (NFS, some containers).
 """
 
@@ -13,6 +15,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -21,7 +25,13 @@ import anyio
 from hsdump._exceptions import ConfigError, DumpTimeout
 from hsdump._protocol import DONE_MARKER, ERROR_MARKER, REQ_PREFIX, request_dir, validate_rid
 
-__all__ = ["DumpWatcher", "InotifyWatcher", "PollingWatcher", "default_watcher"]
+__all__ = [
+    "DumpWatcher",
+    "InotifyWatcher",
+    "PollingWatcher",
+    "WatchfilesWatcher",
+    "default_watcher",
+]
 
 logger = logging.getLogger(__name__)
 ENV_WATCHER = "HSDUMP_WATCHER"
@@ -215,6 +225,145 @@ class InotifyWatcher:
         self._wake_all()
 
 
+class WatchfilesWatcher:
+    """Wakes waiters from the change sets of watchfiles' Rust ``notify`` watcher on the dump root.
+
+    One watcher covers the root recursively; a thread of its own blocks in watchfiles and hands
+    each change set to the event loop (asyncio), which wakes the waits for the ``req_<rid>``
+    directories it names. A change set arrives about two ``step_ms`` after the change, and the
+    thread takes the GIL once per step while idle (see docs/performance.md).
+
+    Args:
+        root: The dump root (created if missing).
+        step_ms: watchfiles' step in milliseconds: how often its loop looks for changes.
+        rescan: Seconds between a wait's own looks at its directory, whatever the events say.
+    """
+
+    def __init__(
+        self, root: str | os.PathLike[str], *, step_ms: int = 1, rescan: float = 0.02
+    ) -> None:
+        self.root = Path(root)
+        self.step_ms = step_ms
+        self.rescan = rescan
+        self._waiters: dict[str, set[_Wakeup]] = {}
+        self._notify: Any = None  # watchfiles' RustNotify once started
+        self._notify_threads: set[str] = set()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        # notify reports absolute paths, joined to the working directory if the root is relative
+        self._watched = os.path.abspath(self.root)
+
+    def _start(self) -> None:
+        # RustNotify is what watchfiles.watch() runs on (documented as its Rust backend); used
+        # directly so that the watch can be stopped and its threads known.
+        from watchfiles._rust_notify import RustNotify
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        before = _notify_threads()
+        try:
+            self._notify = RustNotify([self._watched], False, False, 300, True, False)
+        except (OSError, RuntimeError) as exc:
+            raise ConfigError(
+                f"watchfiles cannot watch the dump root {self.root}: {exc}. Check that it is a "
+                "readable directory, or use watcher='inotify' or 'poll'"
+            ) from exc
+        self._notify_threads = _notify_threads() - before
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="hsdump-watchfiles", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        assert self._loop is not None
+        while not self._stop.is_set():
+            try:
+                changes = self._notify.watch(self.step_ms, self.step_ms, 0, self._stop)
+            except Exception:  # the waits go on with their rescans
+                logger.exception("watchfiles stopped watching %s", self.root)
+                return
+            if not isinstance(changes, set):
+                continue  # "stop" ends the loop; no "timeout" or "signal" off the main thread
+            try:
+                self._loop.call_soon_threadsafe(self._on_changes, changes)
+            except RuntimeError:
+                return  # the event loop is closed
+
+    def _on_changes(self, changes: set[tuple[int, str]]) -> None:
+        prefix = os.path.join(self._watched, REQ_PREFIX)
+        for _, path in changes:
+            if path.startswith(prefix):
+                self._wake(path[len(prefix) :].split(os.sep, 1)[0])
+
+    def _wake(self, rid: str) -> None:
+        for wakeup in self._waiters.get(rid, ()):
+            wakeup.set()
+
+    async def wait(self, rid: str, timeout: float) -> Path:
+        """See :meth:`DumpWatcher.wait`."""
+        path = request_dir(self.root, validate_rid(rid))
+        if self._closed:
+            raise ConfigError("this watcher is closed")
+        if self._notify is None:
+            self._start()
+        wakeup = _Wakeup()
+        self._waiters.setdefault(rid, set()).add(wakeup)
+        try:
+            with anyio.move_on_after(timeout):
+                while not _is_published(path):
+                    # notify reports a new directory before it watches it, so a marker written
+                    # in between raises no event, and this look may have come before the marker;
+                    # events lost to a full kernel queue are the same. So look again now and then.
+                    with anyio.move_on_after(self.rescan):
+                        await wakeup.wait()
+                    if self._closed:
+                        raise ConfigError("the watcher was closed while waiting")
+                return path
+        finally:
+            waiters = self._waiters[rid]
+            waiters.discard(wakeup)
+            if not waiters:
+                del self._waiters[rid]
+        raise _timeout_error(self.root, rid, timeout)
+
+    def _shut_down(self) -> None:
+        assert self._thread is not None
+        self._thread.join()
+        self._notify.close()
+        # close() only asks notify's thread to stop; that thread closes the inotify and epoll
+        # descriptors as it exits, and nothing reports the exit: look until it is gone.
+        deadline = time.monotonic() + 1
+        while _alive(self._notify_threads) and time.monotonic() < deadline:
+            time.sleep(0.0002)
+
+    async def aclose(self) -> None:
+        """See :meth:`DumpWatcher.aclose`."""
+        self._closed = True
+        if self._thread is not None:
+            self._stop.set()  # seen within one step
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._shut_down)
+            self._thread = None
+        for waiters in self._waiters.values():
+            for wakeup in waiters:
+                wakeup.set()
+
+
+def _notify_threads() -> set[str]:
+    """Ids of this process's threads that the notify crate runs (empty without ``/proc``)."""
+    found = set()
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/comm") as comm:
+                if comm.read().startswith("notify-rs"):
+                    found.add(tid)
+    return found
+
+
+def _alive(tids: set[str]) -> bool:
+    return any(os.path.exists(f"/proc/self/task/{tid}") for tid in tids)
+
+
 class _Wakeup:
     """Tells one wait to look again; wake-ups that arrive before it looks merge into one."""
 
@@ -230,7 +379,8 @@ class _Wakeup:
 
 
 def default_watcher(root: str | os.PathLike[str], kind: str | None = None) -> DumpWatcher:
-    """The watcher for ``root``: ``kind`` or ``$HSDUMP_WATCHER`` ("inotify" or "poll").
+    """The watcher for ``root``: ``kind`` or ``$HSDUMP_WATCHER`` ("inotify", "poll" or
+    "watchfiles").
 
     Without either, inotify where the platform has it, else polling.
     """
@@ -239,7 +389,11 @@ def default_watcher(root: str | os.PathLike[str], kind: str | None = None) -> Du
         return InotifyWatcher(root)
     if kind == "poll":
         return PollingWatcher(root)
-    raise ConfigError(f"unknown watcher {kind!r}: use 'inotify' or 'poll' (HSDUMP_WATCHER)")
+    if kind == "watchfiles":
+        return WatchfilesWatcher(root)
+    raise ConfigError(
+        f"unknown watcher {kind!r}: use 'inotify', 'poll' or 'watchfiles' (HSDUMP_WATCHER)"
+    )
 
 
 def _has_inotify() -> bool:

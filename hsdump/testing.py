@@ -142,6 +142,26 @@ class DumpWatcherTests:
             await wait.returned.wait()
 
     @pytest.mark.anyio
+    async def test_sees_a_marker_written_right_after_its_directory(
+        self, watcher: DumpWatcher
+    ) -> None:
+        """A producer that makes ``req_<rid>`` and writes the marker at once, before any watch of
+        the new directory could be in place."""
+        rids = [self.rid() for _ in range(20)]
+
+        def produce() -> None:
+            for rid in rids:
+                path = request_dir(watcher.root, rid)
+                path.mkdir()
+                (path / "done").touch()
+
+        async with anyio.create_task_group() as tg:
+            waits = [await _begin_wait(tg, watcher, rid, timeout=2) for rid in rids]
+            await _produce(produce)
+            for wait in waits:
+                await wait.returned.wait()
+
+    @pytest.mark.anyio
     async def test_waits_for_marker_in_a_directory_made_before_the_wait(
         self, watcher: DumpWatcher
     ) -> None:

@@ -375,3 +375,13 @@ def test_stats_says_which_provenance_a_hand_built_store_lacks(tmp_path):
     assert "final state: unknown (not recorded)" in result.output
     sglang = "SGLang API layer ids: 1 (transformers' minus one; layer 0, the embeddings, has none)"
     assert sglang in result.output
+
+
+def test_extract_waits_for_dumps_with_the_watcher_named_by_the_flag(
+    model_dir, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("HSDUMP_WATCHER", "fanotify")  # unknown: only the flag can make it work
+    dataset = _dataset(tmp_path / "d.jsonl", *_good(2))
+    result = _extract(model_dir, tmp_path, dataset, "--watcher", "watchfiles", "--workers", "1")
+    assert result.exit_code == 0, result.output
+    assert _ids(tmp_path) == ["s0", "s1"]

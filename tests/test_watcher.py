@@ -1,4 +1,4 @@
-"""Both DumpWatcher implementations pass the shared conformance suite."""
+"""Every DumpWatcher implementation passes the shared conformance suite."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hsdump import ConfigError, DumpWatcher, InotifyWatcher, PollingWatcher
+from hsdump import ConfigError, DumpWatcher, InotifyWatcher, PollingWatcher, WatchfilesWatcher
 from hsdump._watcher import default_watcher
 from hsdump.testing import DumpWatcherTests
 
@@ -21,9 +21,15 @@ class TestPollingWatcher(DumpWatcherTests):
         return PollingWatcher(root)
 
 
+class TestWatchfilesWatcher(DumpWatcherTests):
+    def make_watcher(self, root: Path) -> DumpWatcher:
+        return WatchfilesWatcher(root)
+
+
 def test_watchers_satisfy_the_protocol(tmp_path: Path) -> None:
     assert isinstance(InotifyWatcher(tmp_path), DumpWatcher)
     assert isinstance(PollingWatcher(tmp_path), DumpWatcher)
+    assert isinstance(WatchfilesWatcher(tmp_path), DumpWatcher)
 
 
 def test_default_watcher_follows_the_environment(
@@ -32,6 +38,8 @@ def test_default_watcher_follows_the_environment(
     monkeypatch.setenv("HSDUMP_WATCHER", "poll")
     assert isinstance(default_watcher(tmp_path), PollingWatcher)
     assert isinstance(default_watcher(tmp_path, "inotify"), InotifyWatcher)
+    monkeypatch.setenv("HSDUMP_WATCHER", "watchfiles")
+    assert isinstance(default_watcher(tmp_path), WatchfilesWatcher)
 
 
 def test_unknown_watcher_kind_is_a_config_error(tmp_path: Path) -> None:
