@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from hsdump._types import HiddenStates
 
 __all__ = [
+    "LOCK_DIR_SUFFIX",
     "ROOT_KEY",
     "check_tensors",
     "child_groups",
@@ -33,7 +34,10 @@ __all__ = [
 
 Mode = Literal["r", "a", "w"]
 ROOT_KEY = "hsdump_store"
-_LOCK_FILE = ".hsdump-writer.lock"
+# Writer locks live beside the store, in ``<store>.hsdump-locks/<part>.lock``: zarr's tree walk
+# warns about every file inside the store that is not zarr's, directories included.
+LOCK_DIR_SUFFIX = ".hsdump-locks"
+_LEGACY_LOCK_FILE = ".hsdump-writer.lock"  # inside the part, before the locks moved out
 
 
 def describe(path: Any) -> str:
@@ -167,18 +171,57 @@ def local_root(store: Any) -> Path | None:
     return Path(store.root) if isinstance(store, LocalStore) else None
 
 
-def lock_part(root: zarr.Group, name: str, where: str) -> int | None:
-    """Hold an exclusive lock on a local part while it is open; the OS frees it if we die."""
+def lock_dir(root: zarr.Group) -> Path | None:
+    """The directory of a local store's writer locks (None for any other store).
+
+    The path is resolved, so a store opened through a symlink shares its locks.
+    """
     local = local_dir(root)
     if local is None:
         return None
-    fd = os.open(local / name / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    store = local.resolve()
+    return store.parent / f"{store.name}{LOCK_DIR_SUFFIX}"
+
+
+def lock_part(root: zarr.Group, name: str, where: str) -> list[int]:
+    """Hold an exclusive lock on a local part while it is open; the OS frees it if we die.
+
+    Returns the descriptors to close on release (none for a store that is not local).
+    """
+    local, locks = local_dir(root), lock_dir(root)
+    if local is None or locks is None:
+        return []
+    locks.mkdir(exist_ok=True)
+    fd = _flock(locks / f"{name}.lock", name, where, create=True)
+    assert fd is not None  # created if missing
+    fds = [fd]
+    legacy = local / name / _LEGACY_LOCK_FILE
+    try:
+        # A part written before the locks moved out: an older hsdump may hold the old lock.
+        old = _flock(legacy, name, where, create=False) if legacy.exists() else None
+    except BaseException:
+        os.close(fds[0])
+        raise
+    if old is not None:
+        legacy.unlink(missing_ok=True)  # kept locked until release, so zarr's walk stays clean
+        fds.append(old)
+    return fds
+
+
+def _flock(path: Path, name: str, where: str, *, create: bool) -> int | None:
+    """An open descriptor of ``path`` holding its exclusive lock (None: ``path`` vanished)."""
+    try:
+        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+    except FileNotFoundError:
+        if create:
+            raise
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as exc:
         os.close(fd)
         raise StoreError(
-            f"another live process is writing part {name!r} of {where}: give each concurrent "
-            "writer its own writer_id (one part per writer)"
+            f"another live process is writing part {name!r} of {where} (it holds {path}): give "
+            "each concurrent writer its own writer_id (one part per writer)"
         ) from exc
     return fd

@@ -165,7 +165,7 @@ class HiddenStateStore:
         self._chunk_tokens = chunk_tokens
         self._verify_reads = verify_reads
         self._lock = threading.RLock()
-        self._lock_fd: int | None = None
+        self._lock_fds: list[int] = []
         self._closed = False
         self._failed: BaseException | None = None
         self._writer: PartWriter | None = None
@@ -250,7 +250,7 @@ class HiddenStateStore:
         name = PART_PREFIX + writer_id
         try:
             group = self._root.require_group(name)
-            self._lock_fd = lock_part(self._root, name, self.where)
+            self._lock_fds = lock_part(self._root, name, self.where)
             if STATE_KEY not in group.attrs:
                 state = PartState(writer_id=writer_id).model_dump(mode="json")
                 group.update_attributes(state_attributes(STATE_KEY, state))
@@ -422,9 +422,9 @@ class HiddenStateStore:
                     self._writer.abandon()
             finally:
                 self._closed = True
-                if self._lock_fd is not None:
-                    os.close(self._lock_fd)
-                    self._lock_fd = None
+                for fd in self._lock_fds:
+                    os.close(fd)
+                self._lock_fds = []
 
     async def aclose(self) -> None:
         """Async :meth:`close`."""
