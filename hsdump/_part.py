@@ -9,6 +9,7 @@ Layout of ``part-<writer_id>/``::
     input_ids  [tokens]          int32
     loss_mask  [tokens]          uint8
     index/rows      [n, 4] int64 offset, length, has_mask, crc32 of the sample's stored bytes
+                           (attributes["columns"] names them)
     index/sample_id [n]    str
     index/tokens    [n]    uint64 digest of the sample's token ids and loss mask (0: not recorded)
 
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "COMMIT_INTERVAL_S",
+    "INDEX_COLUMNS",
     "PART_PREFIX",
     "IndexChecksum",
     "PartIndex",
@@ -71,6 +73,7 @@ STATE_KEY = "hsdump_part"
 _SHARDS_PER_GROW = 64  # capacity grows a fixed step, so few metadata rewrites and few stray shards
 _IDS_CHUNK_SHARDS = 16
 _INDEX_CHUNK = 4096  # rows; rewritten (read-modify-write) on each commit
+INDEX_COLUMNS = ("offset", "length", "has_mask", "crc32")  # of index/rows, in its attributes
 # Seconds between commits while writing. Each commit costs ~7 ms of zarr work (mostly holding the
 # GIL); once per shard, it was a third of the writer thread's time on 16 cores.
 COMMIT_INTERVAL_S = 1.0
@@ -524,6 +527,8 @@ class PartWriter:
             "sample_id": "index/sample_id",
         }
         self._arrays = {n: open_array(self.group, k, self._where) for n, k in keys.items()}
+        if "columns" not in self._arrays["rows"].attrs:  # a new part, or one from before the names
+            self._arrays["rows"].update_attributes({"columns": list(INDEX_COLUMNS)})
         if self.state.index_crc is None:
             # Nothing committed with digests (a new part, or one written before they existed):
             # every committed digest is 0, so the array is made anew.

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zarr
 from store_crash_writer import make_sample, open_test_store
 
-from hsdump import StoreError
+from hsdump import StoreError, open_store
 
 _LEGACY_LOCK = ".hsdump-writer.lock"
+COLUMNS = ("offset", "length", "has_mask", "crc32")  # index/rows, as docs/store.md names them
 
 
 def _write(path: Path, n: int, writer_id: str | None = None) -> None:
@@ -63,3 +66,23 @@ def test_a_live_holder_of_the_old_lock_file_is_refused(tmp_path: Path) -> None:
         os.close(fd)
     with open_test_store(str(path)) as store:  # released: the part opens
         assert len(store) == 1
+
+
+def test_index_rows_name_their_columns_in_new_and_resumed_parts(tmp_path: Path) -> None:
+    path = tmp_path / "s.zarr"
+    _write(path, 2)
+    rows_json = path / "part-default" / "index" / "rows" / "zarr.json"
+    assert json.loads(rows_json.read_text())["attributes"]["columns"] == list(COLUMNS)
+    _edit_json(rows_json, lambda a: a.pop("columns"))  # as parts were before the names
+    with open_store(str(path), "r") as store:
+        assert len(store) == 2
+    with open_test_store(str(path)) as store:
+        assert len(store) == 2
+    part: Any = zarr.open_group(str(path), mode="r")["part-default"]
+    assert part["index/rows"].attrs["columns"] == list(COLUMNS)
+
+
+def _edit_json(file: Path, edit: Any) -> None:
+    meta = json.loads(file.read_text())
+    edit(meta["attributes"])
+    file.write_text(json.dumps(meta))
