@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from hsdump._types import HiddenStates
 
 __all__ = [
+    "LAYOUT_KEY",
     "LOCK_DIR_SUFFIX",
     "ROOT_KEY",
     "check_tensors",
@@ -34,6 +35,21 @@ __all__ = [
 
 Mode = Literal["r", "a", "w"]
 ROOT_KEY = "hsdump_store"
+LAYOUT_KEY = "hsdump_layout"
+# The root's attributes[LAYOUT_KEY]: how to read a sample with zarr alone, without hsdump's docs.
+LAYOUT = (
+    "Written by hsdump: hidden states keyed by sample id. Each writer's samples are in a group "
+    "part-<writer_id>. Only the first <part>.attrs['committed_samples'] entries of the part's "
+    "index arrays are committed; later entries and rows are not and must be ignored. Entry k: "
+    "index/sample_id[k] is the sample id, index/rows[k] holds the columns named in "
+    "index/rows.attrs['columns'] (offset, length, has_mask, crc32). The sample is rows "
+    "[offset, offset + length) of input_ids (int32 token ids), loss_mask (uint8; the sample has "
+    "no mask when has_mask is 0) and hidden ([tokens, K+1, H]: the K aux layers, ids in "
+    "<part>.attrs['hsdump_part']['provenance']['layer_ids'], then the final hidden state), whose "
+    "values are the raw bits of hidden.attrs['logical_dtype'] (uint16 for bfloat16: view them "
+    "as that dtype). crc32 is zlib.crc32 of the hidden rows' bytes, then the int32 ids, then the "
+    "mask if has_mask. An id committed in several parts is read from the first part by name."
+)
 # Writer locks live beside the store, in ``<store>.hsdump-locks/<part>.lock``: zarr's tree walk
 # warns about every file inside the store that is not zarr's, directories included.
 LOCK_DIR_SUFFIX = ".hsdump-locks"
@@ -76,7 +92,12 @@ def open_root(path: Any, mode: Mode) -> zarr.Group:
             f"a store already exists at {where}: open it with mode='a' to append or resume, "
             "or delete it to start over"
         )
-    return root if mode == "r" else zarr.open_group(store=store, mode="r+")
+    if mode == "r":
+        return root
+    root = zarr.open_group(store=store, mode="r+")
+    if root.attrs.get(LAYOUT_KEY) != LAYOUT:  # a store from before it was described, or older text
+        root.update_attributes({LAYOUT_KEY: LAYOUT})
+    return root
 
 
 def _create_root(store: Any, where: str) -> zarr.Group | None:
@@ -85,7 +106,9 @@ def _create_root(store: Any, where: str) -> zarr.Group | None:
 
     try:
         return zarr.open_group(
-            store=store, mode="a", attributes={ROOT_KEY: {"format": "hsdump-store", "version": 1}}
+            store=store,
+            mode="a",
+            attributes={ROOT_KEY: {"format": "hsdump-store", "version": 1}, LAYOUT_KEY: LAYOUT},
         )
     except zarr.errors.ContainsGroupError:
         return None

@@ -29,7 +29,10 @@ if TYPE_CHECKING:
     from hsdump._part import IndexChecksum
 
 __all__ = [
+    "COMMITTED_SAMPLES_KEY",
+    "COMMITTED_TOKENS_KEY",
     "STATE_CRC_KEY",
+    "committed_counts",
     "damaged",
     "extend_index_checksum",
     "open_array",
@@ -41,6 +44,9 @@ __all__ = [
 ]
 
 STATE_CRC_KEY = "hsdump_part_crc32"
+# Copies of the state's counters for readers that know only zarr; written with the state.
+COMMITTED_SAMPLES_KEY = "committed_samples"
+COMMITTED_TOKENS_KEY = "committed_tokens"
 
 
 def damaged(file: str, reason: str) -> StoreCorruptedError:
@@ -73,8 +79,17 @@ def state_crc(state: Any) -> int:
 
 
 def state_attributes(state_key: str, state: dict[str, Any]) -> dict[str, Any]:
-    """The attributes a commit writes: the state and its checksum, in one ``zarr.json``."""
-    return {state_key: state, STATE_CRC_KEY: state_crc(state)}
+    """The attributes a commit writes, in one ``zarr.json``: the state, its checksum and
+    :func:`committed_counts`."""
+    return {state_key: state, STATE_CRC_KEY: state_crc(state), **committed_counts(state)}
+
+
+def committed_counts(state: dict[str, Any]) -> dict[str, int]:
+    """The committed samples and tokens of a part state, as the attributes that name them."""
+    return {
+        COMMITTED_SAMPLES_KEY: state["n_committed"],
+        COMMITTED_TOKENS_KEY: state["num_tokens"],
+    }
 
 
 def extend_index_checksum(

@@ -3,7 +3,8 @@
 Layout of ``part-<writer_id>/``::
 
     zarr.json        attributes["hsdump_part"]: PartState, rewritten atomically (the commit point),
-                     and "hsdump_part_crc32": its checksum (see hsdump._integrity)
+                     and "hsdump_part_crc32": its checksum (see hsdump._integrity); copies of its
+                     counters for zarr-only readers: "committed_samples", "committed_tokens"
     hidden     [tokens, K+1, H]  float bits (uint16 for bf16): K aux layers, then the final state;
                                  a sample's rows are contiguous and start on a chunk boundary
     input_ids  [tokens]          int32
@@ -38,7 +39,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hsdump._codecs import bits_dtype, hidden_compressors, small_compressors
 from hsdump._integrity import (
+    COMMITTED_SAMPLES_KEY,
     STATE_CRC_KEY,
+    committed_counts,
     damaged,
     extend_index_checksum,
     open_array,
@@ -171,11 +174,16 @@ def _load_state(group: zarr.Group, file: str) -> PartState:
     if crc is not None and crc != (found := state_crc(raw)):
         raise damaged(file, f"the part state's checksum {found:#010x} != recorded {crc!r}")
     try:
-        return PartState.model_validate(raw)
+        state = PartState.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "the state"
         raise damaged(file, f"the part state does not parse ({where}: {first['msg']})") from exc
+    if COMMITTED_SAMPLES_KEY in attrs:  # absent in parts last committed before they existed
+        for key, want in committed_counts(state.model_dump()).items():
+            if attrs.get(key) != want:
+                raise damaged(file, f"{key} is {attrs.get(key)!r}, the part state says {want}")
+    return state
 
 
 def _read_index(group: zarr.Group, key: str, n: int, file: str) -> np.ndarray:

@@ -42,7 +42,13 @@ from hsdump._exceptions import (
     SampleNotFoundError,
     StoreError,
 )
-from hsdump._integrity import damaged, sample_token_digest, state_attributes
+from hsdump._integrity import (
+    COMMITTED_SAMPLES_KEY,
+    committed_counts,
+    damaged,
+    sample_token_digest,
+    state_attributes,
+)
 from hsdump._part import (
     PART_PREFIX,
     STATE_KEY,
@@ -255,6 +261,8 @@ class HiddenStateStore:
                 state = PartState(writer_id=writer_id).model_dump(mode="json")
                 group.update_attributes(state_attributes(STATE_KEY, state))
             index = load_part_index(group, name, self.where)
+            if COMMITTED_SAMPLES_KEY not in group.attrs:  # last committed before they existed
+                group.update_attributes(committed_counts(index.state.model_dump()))
             writer = PartWriter(group, index, on_commit=self._on_commit, where=self.where)
         except OSError as exc:
             raise os_error(exc, self.where) from exc
