@@ -21,9 +21,7 @@ dies gets SIGTERM from the kernel and does the same.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
-import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -36,20 +34,16 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-import anyio
-import anyio.to_thread
-from anyio.abc import TaskGroup
-
 from hsdump._exceptions import ConfigError, HsdumpError, WorkerError
 from hsdump._pipeline import (
     ExtractionSummary,
     Failure,
     ProgressCallback,
     _FailureLog,
-    run_extraction,
     token_change,
 )
 from hsdump._types import Sample
+from hsdump._worker import COUNTERS, STOP_GRACE_S, WorkerSpec, worker_main
 
 __all__ = ["run_parallel_extraction"]
 
@@ -57,209 +51,6 @@ logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05
 _MAX_RESTARTS = 3
-_STOP_GRACE_S = 120.0
-_COUNTERS = ("samples_done", "tokens_done", "bytes_raw", "bytes_stored", "store_bytes_raw")
-
-
-@dataclass
-class _Waiter:
-    event: anyio.Event = field(default_factory=anyio.Event)
-    cancelled: bool = False
-
-
-class _ParentGate:
-    """A worker's share of the run's requests in flight, granted by the parent over the pipe.
-
-    The parent holds the count, so a worker that dies holding a slot gives it back by dying.
-    """
-
-    def __init__(self, conn: Any):
-        self._conn = conn
-        self._waiting: deque[_Waiter] = deque()
-
-    async def __aenter__(self) -> None:
-        waiter = _Waiter()
-        self._waiting.append(waiter)
-        self._conn.send(("acquire",))
-        try:
-            await waiter.event.wait()
-        except BaseException:
-            waiter.cancelled = True  # the grant may still come: it is handed back on arrival
-            if waiter.event.is_set():
-                self._conn.send(("release",))
-            raise
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._conn.send(("release",))
-
-    def granted(self) -> None:
-        """The parent granted the oldest request."""
-        waiter = self._waiting.popleft()
-        waiter.event.set()
-        if waiter.cancelled:
-            self._conn.send(("release",))
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """What one worker process needs to open its client and its store part."""
-
-    index: int
-    url: str
-    dump_dir: str | None
-    store: str
-    concurrency: int
-    retries: int
-    fail_fast: bool
-    client_options: Mapping[str, Any] = field(default_factory=dict)
-    store_options: Mapping[str, Any] = field(default_factory=dict)
-
-    @property
-    def writer_id(self) -> str:
-        """The worker's store part: the same on every rerun, so a rerun resumes it."""
-        return f"w{self.index}"
-
-
-# -- the worker process ------------------------------------------------------------------------
-
-
-def _worker_main(spec: WorkerSpec, conn: Any) -> None:
-    """A worker process: extract what the parent sends until it says end (or stop)."""
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates a stop
-    try:
-        anyio.run(_worker, spec, conn)
-    finally:
-        conn.close()
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to send SIGTERM when the parent dies, so no worker outlives a killed run."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:
-        os.kill(os.getpid(), signal.SIGTERM)  # the parent died before prctl took effect
-
-
-async def _worker(spec: WorkerSpec, conn: Any) -> None:
-    """The inbox runs from the start: opening the client already asks the gate (its probe)."""
-    reporter = _Reporter(conn)
-    async with anyio.create_task_group() as group:
-        inbox = _Inbox(conn, _ParentGate(conn), group)
-        group.start_soon(inbox.run)
-        group.start_soon(inbox.stop_on_sigterm)
-        try:
-            await _extract(spec, inbox, reporter)
-        except HsdumpError as exc:
-            conn.send(("fatal", type(exc).__name__, str(exc)))
-        finally:
-            reporter.final()
-            group.cancel_scope.cancel()
-
-
-async def _extract(spec: WorkerSpec, inbox: _Inbox, reporter: _Reporter) -> None:
-    from hsdump._client import HiddenStateClient
-    from hsdump._store import open_store
-
-    client = HiddenStateClient(
-        spec.url,
-        dump_dir=spec.dump_dir,
-        max_in_flight=spec.concurrency,
-        gate=inbox.gate,
-        **spec.client_options,
-    )
-    async with client:
-        with open_store(spec.store, "a", writer_id=spec.writer_id, **spec.store_options) as store:
-            inbox.conn.send(("ready",))
-            await run_extraction(
-                inbox.receive, client=client, store=store, retries=spec.retries,
-                concurrency=spec.concurrency, fail_fast=spec.fail_fast, progress=reporter,
-            )  # fmt: skip
-
-
-class _Inbox:
-    """Messages from the parent: samples into the run's stream, grants to the gate.
-
-    ``end`` closes the stream. ``stop`` (or SIGTERM, or the parent's death) also drops the samples
-    not started yet: those in flight finish and commit, so no request is cut off and no dump is
-    left behind, and after ``_STOP_GRACE_S`` the rest of the run is cancelled.
-    """
-
-    def __init__(self, conn: Any, gate: _ParentGate, group: TaskGroup):
-        self.conn, self.gate, self.group = conn, gate, group
-        self.send, self.receive = anyio.create_memory_object_stream[Sample](math.inf)
-
-    async def run(self) -> None:
-        while True:
-            try:
-                message = await anyio.to_thread.run_sync(self.conn.recv, abandon_on_cancel=True)
-            except EOFError:
-                message = ("stop",)  # the parent is gone
-            if message[0] == "granted":
-                self.gate.granted()
-            elif message[0] == "samples":
-                for sample in message[1]:
-                    with contextlib.suppress(anyio.ClosedResourceError):
-                        self.send.send_nowait(sample)
-            elif message[0] == "end":
-                self.send.close()
-            else:
-                self.stop()
-                if message[0] != "stop":
-                    return
-
-    def stop(self) -> None:
-        while True:
-            try:
-                self.receive.receive_nowait()
-            except (anyio.WouldBlock, anyio.EndOfStream):
-                break
-        self.send.close()
-        self.group.start_soon(self._cancel_later)
-
-    async def _cancel_later(self) -> None:
-        await anyio.sleep(_STOP_GRACE_S)
-        self.group.cancel_scope.cancel()
-
-    async def stop_on_sigterm(self) -> None:
-        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
-            async for _ in signals:
-                self.stop()
-                return
-
-
-class _Reporter:
-    """The worker's progress callback: sends its counters, and each new failure, to the parent."""
-
-    def __init__(self, conn: Any):
-        self._conn = conn
-        self._summary: ExtractionSummary | None = None
-        self._failures_sent = 0
-
-    def __call__(self, summary: ExtractionSummary) -> None:
-        self._summary = summary
-        self._send("progress")
-
-    def final(self) -> None:
-        self._send("exit")
-
-    def _send(self, kind: str) -> None:
-        s = self._summary
-        if s is None:
-            self._conn.send((kind, {}, []))
-            return
-        new = s.failures[self._failures_sent :]
-        self._failures_sent = len(s.failures)
-        counters = {name: getattr(s, name) for name in _COUNTERS}
-        counters.update(
-            skipped=s.skipped, retries=s.retries, failed=len(s.failures), stages=dict(s.stages),
-            cpu_s=s.cpu_s, peak_rss_bytes=s.peak_rss_bytes,
-        )  # fmt: skip
-        with contextlib.suppress(OSError):
-            self._conn.send((kind, counters, new))
-
-
-# -- the parent --------------------------------------------------------------------------------
 
 
 @dataclass
@@ -299,7 +90,7 @@ class _Parallel:
         self.asking: deque[_Worker] = deque()
         self.context = multiprocessing.get_context("spawn")
         self.workers: list[_Worker] = []
-        self.closed: dict[str, Any] = {name: 0 for name in (*_COUNTERS, "retries", "skipped")}
+        self.closed: dict[str, Any] = {name: 0 for name in (*COUNTERS, "retries", "skipped")}
         self.closed.update(stages={}, cpu_s=0.0, peak_rss_bytes=0)
         self.stopping = False
         self._ready = False
@@ -323,7 +114,7 @@ class _Parallel:
     def _spawn(self, spec: WorkerSpec, restarts: int = 0) -> _Worker:
         ours, theirs = self.context.Pipe()
         process = self.context.Process(
-            target=_worker_main, args=(spec, theirs), name=f"hsdump-{spec.writer_id}"
+            target=worker_main, args=(spec, theirs), name=f"hsdump-{spec.writer_id}"
         )
         process.start()
         theirs.close()
@@ -407,7 +198,7 @@ class _Parallel:
     def _exited(self, worker: _Worker) -> None:
         """A worker ended its run: what it did not finish goes back to the queue."""
         worker.conn.close()  # its inbox thread, blocked reading, sees the end and lets it exit
-        worker.process.join(_STOP_GRACE_S)
+        worker.process.join(STOP_GRACE_S)
         worker.exited = True
         self._requeue(worker)
         self._gate_freed(worker)
@@ -493,7 +284,7 @@ class _Parallel:
         self._drain()
 
     def _drain(self) -> None:
-        deadline = time.monotonic() + _STOP_GRACE_S
+        deadline = time.monotonic() + STOP_GRACE_S
         while self._live() and time.monotonic() < deadline:
             self._wait_once()
 
@@ -511,7 +302,7 @@ class _Parallel:
     def _report(self, *, force: bool = False) -> None:
         s, closed = self.summary, self.closed
         live = [w.counters for w in self.workers if not w.exited]
-        for name in _COUNTERS:
+        for name in COUNTERS:
             setattr(s, name, closed[name] + sum(c.get(name, 0) for c in live))
         s.retries = closed["retries"] + sum(c.get("retries", 0) for c in live)
         s.skipped = self._skipped_at_start + closed["skipped"]

@@ -1,0 +1,229 @@
+"""The worker process of a multi-process extraction (see :mod:`hsdump._parallel`).
+
+A worker opens its own :class:`~hsdump.HiddenStateClient` and its own store part, and runs
+:func:`~hsdump._pipeline.run_extraction` on the samples the parent sends over a pipe. The same pipe
+carries its requests for a slot at the server (granted by the parent), its progress, and its end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import os
+import signal
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.to_thread
+from anyio.abc import TaskGroup
+
+from hsdump._exceptions import HsdumpError
+from hsdump._pipeline import ExtractionSummary, run_extraction
+from hsdump._types import Sample
+
+__all__ = ["COUNTERS", "STOP_GRACE_S", "WorkerSpec", "worker_main"]
+
+STOP_GRACE_S = 120.0
+COUNTERS = ("samples_done", "tokens_done", "bytes_raw", "bytes_stored", "store_bytes_raw")
+
+
+@dataclass
+class _Waiter:
+    event: anyio.Event = field(default_factory=anyio.Event)
+    cancelled: bool = False
+
+
+class _ParentGate:
+    """A worker's share of the run's requests in flight, granted by the parent over the pipe.
+
+    The parent holds the count, so a worker that dies holding a slot gives it back by dying.
+    """
+
+    def __init__(self, conn: Any):
+        self._conn = conn
+        self._waiting: deque[_Waiter] = deque()
+
+    async def __aenter__(self) -> None:
+        waiter = _Waiter()
+        self._waiting.append(waiter)
+        self._conn.send(("acquire",))
+        try:
+            await waiter.event.wait()
+        except BaseException:
+            waiter.cancelled = True  # the grant may still come: it is handed back on arrival
+            if waiter.event.is_set():
+                self._conn.send(("release",))
+            raise
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._conn.send(("release",))
+
+    def granted(self) -> None:
+        """The parent granted the oldest request."""
+        waiter = self._waiting.popleft()
+        waiter.event.set()
+        if waiter.cancelled:
+            self._conn.send(("release",))
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What one worker process needs to open its client and its store part."""
+
+    index: int
+    url: str
+    dump_dir: str | None
+    store: str
+    concurrency: int
+    retries: int
+    fail_fast: bool
+    client_options: Mapping[str, Any] = field(default_factory=dict)
+    store_options: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def writer_id(self) -> str:
+        """The worker's store part: the same on every rerun, so a rerun resumes it."""
+        return f"w{self.index}"
+
+
+# -- the worker process ------------------------------------------------------------------------
+
+
+def worker_main(spec: WorkerSpec, conn: Any) -> None:
+    """A worker process: extract what the parent sends until it says end (or stop)."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates a stop
+    try:
+        anyio.run(_worker, spec, conn)
+    finally:
+        conn.close()
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to send SIGTERM when the parent dies, so no worker outlives a killed run."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:
+        os.kill(os.getpid(), signal.SIGTERM)  # the parent died before prctl took effect
+
+
+async def _worker(spec: WorkerSpec, conn: Any) -> None:
+    """The inbox runs from the start: opening the client already asks the gate (its probe)."""
+    reporter = _Reporter(conn)
+    async with anyio.create_task_group() as group:
+        inbox = _Inbox(conn, _ParentGate(conn), group)
+        group.start_soon(inbox.run)
+        group.start_soon(inbox.stop_on_sigterm)
+        try:
+            await _extract(spec, inbox, reporter)
+        except HsdumpError as exc:
+            conn.send(("fatal", type(exc).__name__, str(exc)))
+        finally:
+            reporter.final()
+            group.cancel_scope.cancel()
+
+
+async def _extract(spec: WorkerSpec, inbox: _Inbox, reporter: _Reporter) -> None:
+    from hsdump._client import HiddenStateClient
+    from hsdump._store import open_store
+
+    client = HiddenStateClient(
+        spec.url,
+        dump_dir=spec.dump_dir,
+        max_in_flight=spec.concurrency,
+        gate=inbox.gate,
+        **spec.client_options,
+    )
+    async with client:
+        with open_store(spec.store, "a", writer_id=spec.writer_id, **spec.store_options) as store:
+            inbox.conn.send(("ready",))
+            await run_extraction(
+                inbox.receive, client=client, store=store, retries=spec.retries,
+                concurrency=spec.concurrency, fail_fast=spec.fail_fast, progress=reporter,
+            )  # fmt: skip
+
+
+class _Inbox:
+    """Messages from the parent: samples into the run's stream, grants to the gate.
+
+    ``end`` closes the stream. ``stop`` (or SIGTERM, or the parent's death) also drops the samples
+    not started yet: those in flight finish and commit, so no request is cut off and no dump is
+    left behind, and after ``STOP_GRACE_S`` the rest of the run is cancelled.
+    """
+
+    def __init__(self, conn: Any, gate: _ParentGate, group: TaskGroup):
+        self.conn, self.gate, self.group = conn, gate, group
+        self.send, self.receive = anyio.create_memory_object_stream[Sample](math.inf)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                message = await anyio.to_thread.run_sync(self.conn.recv, abandon_on_cancel=True)
+            except EOFError:
+                message = ("stop",)  # the parent is gone
+            if message[0] == "granted":
+                self.gate.granted()
+            elif message[0] == "samples":
+                for sample in message[1]:
+                    with contextlib.suppress(anyio.ClosedResourceError):
+                        self.send.send_nowait(sample)
+            elif message[0] == "end":
+                self.send.close()
+            else:
+                self.stop()
+                if message[0] != "stop":
+                    return
+
+    def stop(self) -> None:
+        while True:
+            try:
+                self.receive.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream):
+                break
+        self.send.close()
+        self.group.start_soon(self._cancel_later)
+
+    async def _cancel_later(self) -> None:
+        await anyio.sleep(STOP_GRACE_S)
+        self.group.cancel_scope.cancel()
+
+    async def stop_on_sigterm(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM) as signals:
+            async for _ in signals:
+                self.stop()
+                return
+
+
+class _Reporter:
+    """The worker's progress callback: sends its counters, and each new failure, to the parent."""
+
+    def __init__(self, conn: Any):
+        self._conn = conn
+        self._summary: ExtractionSummary | None = None
+        self._failures_sent = 0
+
+    def __call__(self, summary: ExtractionSummary) -> None:
+        self._summary = summary
+        self._send("progress")
+
+    def final(self) -> None:
+        self._send("exit")
+
+    def _send(self, kind: str) -> None:
+        s = self._summary
+        if s is None:
+            self._conn.send((kind, {}, []))
+            return
+        new = s.failures[self._failures_sent :]
+        self._failures_sent = len(s.failures)
+        counters = {name: getattr(s, name) for name in COUNTERS}
+        counters.update(
+            skipped=s.skipped, retries=s.retries, failed=len(s.failures), stages=dict(s.stages),
+            cpu_s=s.cpu_s, peak_rss_bytes=s.peak_rss_bytes,
+        )  # fmt: skip
+        with contextlib.suppress(OSError):
+            self._conn.send((kind, counters, new))
