@@ -277,6 +277,8 @@ def _read_dataset(options: dict[str, Any], limits: Any) -> tuple[Any, list[Any]]
 
     tokenizer = load_tokenizer(options["tokenizer"]) if options["tokenizer"] else None
     dataset = read_dataset(options["dataset"], limits=limits, tokenizer=tokenizer)
+    if options["shard"] is not None:
+        dataset = options["shard"].select(dataset)
     for bad in dataset.bad_lines:
         console.print(f"[red]bad line[/] {bad.error}", highlight=False, soft_wrap=True)
     prior = [Failure(b.sample_id, b.line, "InputError", str(b.error), 0) for b in dataset.bad_lines]
@@ -326,7 +328,9 @@ async def _extract(
         view = _progress_view(options["log_every"])
         # A stop signal cancels the run alone: it flushes the store, and the summary follows.
         with (
-            open_store(options["out"], "a", **store_options) as store,
+            open_store(
+                options["out"], "a", writer_id=options["writer_id"], **store_options
+            ) as store,
             view,
             anyio.CancelScope() as scope,
             stop.cancelling(scope),
@@ -369,6 +373,7 @@ def _extract_parallel(options: dict[str, Any], url: str, dump_dir: Path | None) 
                 url=url,
                 dump_dir=dump_dir,
                 store=options["out"],
+                writer_id=options["writer_id"],
                 workers=options["workers"],
                 concurrency=options["concurrency"],
                 retries=options["retries"],
@@ -441,11 +446,29 @@ def extract(
         float,
         typer.Option(min=0, help="Seconds between progress lines when stderr is not a terminal."),
     ] = 30.0,
+    shard: Annotated[
+        str | None,
+        typer.Option(
+            help="I/N: extract only the samples of shard I of N (by a hash of each sample id), "
+            "for one job of a Slurm array, torchrun or Kubernetes job."
+        ),
+    ] = None,
+    writer_id: Annotated[
+        str | None,
+        typer.Option(
+            help="This run's store part (default: 'default', or shardIofN with --shard); "
+            "concurrent runs into one store need distinct ones."
+        ),
+    ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each sample.")] = False,
 ) -> None:
     """Extract a dataset into a store (see EXTRACT_HELP)."""
+    from hsdump._inputs import Shard
+
     _setup_logging(verbose)
     options: dict[str, Any] = {
+        "shard": None,
+        "writer_id": writer_id,
         "dataset": _data_path(dataset),
         "out": out,
         "concurrency": concurrency,
@@ -463,6 +486,9 @@ def extract(
     def job() -> int:
         import anyio
 
+        if shard is not None:
+            options["shard"] = Shard.parse(shard)
+            options["writer_id"] = writer_id or options["shard"].writer_id
         if _all_stored(options):
             return EXIT_OK
         with GracefulStop() as stop, _server(server_url, dump_dir, model) as (url, root):
@@ -489,6 +515,8 @@ def _all_stored(options: dict[str, Any]) -> bool:
             if len(store) < lines:
                 return False  # found without parsing the dataset
             dataset = read_dataset(path, tokenizer=_tokenizer(options))
+            if options["shard"] is not None:
+                dataset = options["shard"].select(dataset)
             mismatch = getattr(store, "token_mismatch", lambda sample: None)
             done = not dataset.bad_lines and all(
                 s.id in store and mismatch(s) is None for s in dataset.samples

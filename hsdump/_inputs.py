@@ -8,6 +8,7 @@ decides what to do with it (the CLI reports it and records it in the failures fi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -24,6 +25,7 @@ __all__ = [
     "BadLine",
     "Dataset",
     "InputLimits",
+    "Shard",
     "load_tokenizer",
     "local_model_config",
     "read_dataset",
@@ -265,3 +267,50 @@ class _LineParser:
                 f"{len(ids)} tokens, longer than the server's context of {longest} tokens: "
                 "split or truncate the sample"
             )
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Part ``index`` of ``count`` of a dataset, chosen by a hash of each sample id (never by
+    position), so a sample belongs to the same shard whatever the file order, and a rerun with the
+    same ``count`` sees the same samples.
+
+    Attributes:
+        index: This shard, from 0.
+        count: How many shards the dataset is split into.
+    """
+
+    index: int
+    count: int
+
+    @classmethod
+    def parse(cls, text: str) -> Shard:
+        """``"I/N"`` (e.g. ``"0/3"``); raises :class:`ConfigError` for anything else."""
+        try:
+            index, count = (int(part) for part in text.split("/"))
+        except ValueError:
+            raise ConfigError(f"--shard takes I/N, e.g. 0/3, got {text!r}") from None
+        if count < 1 or not 0 <= index < count:
+            raise ConfigError(f"--shard {text}: need 0 <= I < N")
+        return cls(index, count)
+
+    def holds(self, sample_id: str | None) -> bool:
+        """Whether the sample belongs here (a line without an id is reported by shard 0 only)."""
+        if sample_id is None:
+            return self.index == 0
+        digest = hashlib.blake2b(sample_id.encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") % self.count == self.index
+
+    def select(self, dataset: Dataset) -> Dataset:
+        """The samples and bad lines of ``dataset`` that belong to this shard."""
+        samples = [s for s in dataset.samples if self.holds(s.id)]
+        return Dataset(
+            samples=samples,
+            bad_lines=[b for b in dataset.bad_lines if self.holds(b.sample_id)],
+            line_numbers={s.id: dataset.line_numbers[s.id] for s in samples},
+        )
+
+    @property
+    def writer_id(self) -> str:
+        """The store part this shard writes when no writer id is given."""
+        return f"shard{self.index}of{self.count}"

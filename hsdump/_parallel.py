@@ -327,6 +327,7 @@ def run_parallel_extraction(
     dump_dir: str | os.PathLike[str] | None,
     store: str | os.PathLike[str],
     workers: int,
+    writer_id: str | None = None,
     concurrency: int = 1,
     retries: int = 3,
     fail_fast: bool = False,
@@ -350,6 +351,8 @@ def run_parallel_extraction(
         dump_dir: The server's dump root.
         store: The store's path.
         workers: Worker processes (at least 1).
+        writer_id: Prefix of the workers' store parts (``<writer_id>-w<i>``; default ``w<i>``),
+            so that runs on several nodes write distinct parts of one store.
         concurrency: Requests at the server at once, over all workers.
         retries: Retries of a sample after a transient failure.
         fail_fast: Stop at the first failure.
@@ -381,7 +384,7 @@ def run_parallel_extraction(
             index=i, url=url, dump_dir=None if dump_dir is None else str(dump_dir),
             store=str(store), concurrency=per_worker, retries=retries, fail_fast=fail_fast,
             client_options=_share_budget(client_options or {}, workers),
-            store_options=dict(store_options or {}),
+            store_options=dict(store_options or {}), part=writer_id,
         )
         for i in range(min(workers, max(len(todo), 1)))
     ]  # fmt: skip

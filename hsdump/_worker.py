@@ -83,11 +83,12 @@ class WorkerSpec:
     fail_fast: bool
     client_options: Mapping[str, Any] = field(default_factory=dict)
     store_options: Mapping[str, Any] = field(default_factory=dict)
+    part: str | None = None
 
     @property
     def writer_id(self) -> str:
         """The worker's store part: the same on every rerun, so a rerun resumes it."""
-        return f"w{self.index}"
+        return f"{self.part}-w{self.index}" if self.part else f"w{self.index}"
 
 
 # -- the worker process ------------------------------------------------------------------------

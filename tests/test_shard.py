@@ -1,0 +1,103 @@
+"""Static sharding by sample id: N independent runs into one store give what one run gives."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from hsdump._cli import app
+from hsdump._inputs import Shard
+from hsdump._store import open_store
+from hsdump.testing import FakeServer
+
+CLI = [sys.executable, "-c", "from hsdump._cli import main; main()", "extract"]
+
+
+def _dataset(path: Path, n: int) -> Path:
+    gen = torch.Generator().manual_seed(3)
+    rows = [
+        {"id": f"s{i}", "input_ids": torch.randint(0, 500, (int(t),), generator=gen).tolist()}
+        for i, t in enumerate(torch.randint(1, 60, (n,), generator=gen))
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _contents(store: Path) -> dict[str, tuple[bytes, bytes, list[int]]]:
+    with open_store(store, "r") as opened:
+        assert not opened.duplicates
+        return {
+            sid: (hs.aux_hidden_states.view(torch.int16).numpy().tobytes(),
+                  hs.final_hidden_state.view(torch.int16).numpy().tobytes(), hs.input_ids.tolist())
+            for sid in opened
+            for hs in [opened[sid]]
+        }  # fmt: skip
+
+
+def test_every_id_falls_in_exactly_one_shard_whatever_the_count() -> None:
+    ids = [f"conv-{i}" for i in range(500)]
+    for count in (1, 2, 3, 7):
+        owners = [[s for s in range(count) if Shard(s, count).holds(i)] for i in ids]
+        assert all(len(o) == 1 for o in owners)
+        sizes = [sum(o == [s] for o in owners) for s in range(count)]
+        assert min(sizes) > 0
+
+
+@pytest.mark.slow
+def test_three_shards_on_three_servers_store_what_one_run_stores(tmp_path: Path) -> None:
+    data = _dataset(tmp_path / "d.jsonl", 30)
+    with contextlib.ExitStack() as stack:
+        servers = [
+            stack.enter_context(FakeServer(tmp_path / f"dumps{i}", hidden_size=16))
+            for i in range(3)
+        ]
+        runs = [
+            subprocess.Popen(
+                [
+                    *CLI,
+                    str(data),
+                    "--out",
+                    str(tmp_path / "sharded.zarr"),
+                    "--server-url",
+                    s.url,
+                    "--dump-dir",
+                    str(s.dump_dir),
+                    "--shard",
+                    f"{i}/3",
+                    "--workers",
+                    "1",
+                ],
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i, s in enumerate(servers)
+        ]
+        errors = [run.communicate(timeout=120)[1] for run in runs]
+        assert [run.returncode for run in runs] == [0, 0, 0], errors
+        one = servers[0]
+        result = CliRunner().invoke(
+            app,
+            ["extract", str(data), "--out", str(tmp_path / "one.zarr"), "--server-url", one.url,
+             "--dump-dir", str(one.dump_dir), "--workers", "1"],
+        )  # fmt: skip
+        assert result.exit_code == 0, result.output
+        requests = [len(s.received) for s in servers]
+    sharded, single = _contents(tmp_path / "sharded.zarr"), _contents(tmp_path / "one.zarr")
+    assert sorted(sharded) == sorted(single) == sorted(f"s{i}" for i in range(30))
+    assert sharded == single
+    assert all(count > 1 for count in requests)  # each server took part (its probe and samples)
+    parts = sorted(p.name for p in (tmp_path / "sharded.zarr").glob("part-*"))
+    assert parts == ["part-shard0of3", "part-shard1of3", "part-shard2of3"]
+
+
+def test_a_malformed_shard_is_a_one_line_error(tmp_path: Path) -> None:
+    data = _dataset(tmp_path / "d.jsonl", 2)
+    result = CliRunner().invoke(app, ["extract", str(data), "--out", "x.zarr", "--shard", "3/3"])
+    assert result.exit_code == 2 and "0 <= I < N" in result.output
