@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import math
 import os
@@ -374,6 +375,7 @@ def _extract_parallel(options: dict[str, Any], url: str, dump_dir: Path | None) 
                 dump_dir=dump_dir,
                 store=options["out"],
                 writer_id=options["writer_id"],
+                servers=options["servers"],
                 workers=options["workers"],
                 concurrency=options["concurrency"],
                 retries=options["retries"],
@@ -392,6 +394,29 @@ def _extract_parallel(options: dict[str, Any], url: str, dump_dir: Path | None) 
             raise
     _print_summary(summary, failures_path, fail_fast=options["fail_fast"])
     return EXIT_OK if summary.ok else EXIT_FAILURES
+
+
+def read_servers(path: Path) -> list[tuple[str, Path | None]]:
+    """The ``--servers`` file: a JSON list of ``{"url": ..., "dump_dir": ...}`` objects."""
+    from hsdump._exceptions import ConfigError
+
+    try:
+        entries = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the servers file {path}: {exc}") from exc
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError(f"{path} must hold a non-empty JSON list of servers")
+    servers = []
+    for number, entry in enumerate(entries, 1):
+        url = entry.get("url") if isinstance(entry, dict) else None
+        root = entry.get("dump_dir") if isinstance(entry, dict) else None
+        if not isinstance(url, str) or not (root is None or isinstance(root, str)):
+            raise ConfigError(
+                f'{path}, server {number}: expected {{"url": str, "dump_dir": str}}, '
+                f"found {entry!r}"
+            )
+        servers.append((url, Path(root) if root else None))
+    return servers
 
 
 def default_workers() -> int:
@@ -453,6 +478,14 @@ def extract(
             "for one job of a Slurm array, torchrun or Kubernetes job."
         ),
     ] = None,
+    servers: Annotated[
+        Path | None,
+        typer.Option(
+            "--servers",
+            help='A JSON file listing servers, [{"url": ..., "dump_dir": ...}, ...]: the dataset '
+            "is spread over them (--workers workers and --concurrency requests each).",
+        ),
+    ] = None,
     writer_id: Annotated[
         str | None,
         typer.Option(
@@ -467,6 +500,7 @@ def extract(
 
     _setup_logging(verbose)
     options: dict[str, Any] = {
+        "servers": (),
         "shard": None,
         "writer_id": writer_id,
         "dataset": _data_path(dataset),
@@ -491,6 +525,10 @@ def extract(
             options["writer_id"] = writer_id or options["shard"].writer_id
         if _all_stored(options):
             return EXIT_OK
+        if servers is not None:
+            options["servers"] = read_servers(servers)
+            with GracefulStop():
+                return _extract_parallel(options, *options["servers"][0])
         with GracefulStop() as stop, _server(server_url, dump_dir, model) as (url, root):
             if options["workers"] > 1:
                 return _extract_parallel(options, url, root)

@@ -86,12 +86,13 @@ class _Parallel:
         self.store_path: str = options["store_path"]
         self.fail_fast: bool = options["fail_fast"]
         self.credit = specs[0].concurrency + 2
-        self.slots: int = options["concurrency"]
-        self.asking: deque[_Worker] = deque()
+        self.slots: int = options["concurrency"]  # per server
+        self.asking: dict[int, deque[_Worker]] = {spec.server: deque() for spec in specs}
         self.context = multiprocessing.get_context("spawn")
         self.workers: list[_Worker] = []
         self.closed: dict[str, Any] = {name: 0 for name in (*COUNTERS, "retries", "skipped")}
         self.closed.update(stages={}, cpu_s=0.0, peak_rss_bytes=0)
+        self.lost: dict[int, str] = {}  # servers whose workers could not open
         self.stopping = False
         self._ready = False
         self._skipped_at_start = self.summary.skipped
@@ -160,7 +161,7 @@ class _Parallel:
             self._ready = True
             self.summary.started = time.monotonic()  # rates exclude the workers' start-up
         elif kind == "fatal":
-            raise WorkerError(f"worker {worker.spec.writer_id}: {message[1]}: {message[2]}")
+            self._lost(worker, f"{message[1]}: {message[2]}")
         elif kind in ("progress", "exit"):
             worker.counters = message[1] or worker.counters
             for failure in message[2]:
@@ -168,17 +169,26 @@ class _Parallel:
         if kind == "exit":
             self._exited(worker)
 
+    def _lost(self, worker: _Worker, reason: str) -> None:
+        """A worker could not open: its server is left out while other servers' workers run."""
+        self.lost[worker.spec.server] = reason
+        if not [w for w in self._live() if w.spec.server not in self.lost]:
+            raise WorkerError(f"worker {worker.spec.writer_id}: {reason}")
+        logger.warning("leaving %s out of this run: %s", worker.spec.url, reason)
+
     def _gate(self, worker: _Worker, kind: str) -> None:
         """Requests in flight over all workers: granted in the order asked, at most ``slots``."""
         if kind == "acquire":
-            self.asking.append(worker)
+            self.asking[worker.spec.server].append(worker)
         else:
             worker.held -= 1
-        self._grant()
+        self._grant(worker.spec.server)
 
-    def _grant(self) -> None:
-        while self.asking and sum(w.held for w in self._live()) < self.slots:
-            asker = self.asking.popleft()
+    def _grant(self, server: int) -> None:
+        asking = self.asking[server]
+        peers = [w for w in self._live() if w.spec.server == server]
+        while asking and sum(w.held for w in peers) < self.slots:
+            asker = asking.popleft()
             if asker.exited:
                 continue
             asker.held += 1
@@ -211,7 +221,7 @@ class _Parallel:
         worker.exited = True
         self._requeue(worker)
         self._gate_freed(worker)
-        if self.stopping or not self.pending:
+        if self.stopping or not self.pending or worker.spec.server in self.lost:
             return
         if worker.restarts >= _MAX_RESTARTS:
             if not self._live():
@@ -226,8 +236,9 @@ class _Parallel:
     def _gate_freed(self, worker: _Worker) -> None:
         """A dead worker's slots go to the workers waiting for one."""
         worker.held = 0
-        self.asking = deque(w for w in self.asking if w is not worker)
-        self._grant()
+        server = worker.spec.server
+        self.asking[server] = deque(w for w in self.asking[server] if w is not worker)
+        self._grant(server)
 
     def _requeue(self, worker: _Worker) -> None:
         """Samples given to ``worker`` that its part does not hold go back to the queue."""
@@ -323,11 +334,12 @@ class _Parallel:
 def run_parallel_extraction(
     samples: Sequence[Sample],
     *,
-    url: str,
-    dump_dir: str | os.PathLike[str] | None,
+    url: str | None = None,
+    dump_dir: str | os.PathLike[str] | None = None,
     store: str | os.PathLike[str],
     workers: int,
     writer_id: str | None = None,
+    servers: Sequence[tuple[str, str | os.PathLike[str] | None]] = (),
     concurrency: int = 1,
     retries: int = 3,
     fail_fast: bool = False,
@@ -353,7 +365,11 @@ def run_parallel_extraction(
         workers: Worker processes (at least 1).
         writer_id: Prefix of the workers' store parts (``<writer_id>-w<i>``; default ``w<i>``),
             so that runs on several nodes write distinct parts of one store.
-        concurrency: Requests at the server at once, over all workers.
+        servers: Several servers as ``(url, dump_dir)`` pairs, instead of ``url`` and
+            ``dump_dir``: each gets ``workers`` workers and its own bound of ``concurrency``,
+            and samples go to whichever worker has room, so a slow server takes fewer. A server
+            whose workers cannot open is left out (with a warning) while others run.
+        concurrency: Requests at each server at once, over its workers.
         retries: Retries of a sample after a transient failure.
         fail_fast: Stop at the first failure.
         failures_path: The JSONL failures file, rewritten by each run; none when None.
@@ -375,19 +391,25 @@ def run_parallel_extraction(
             f"workers and concurrency must be >= 1 and retries >= 0, got {workers}, "
             f"{concurrency}, {retries}"
         )
+    if url is None and not servers:
+        raise ConfigError("name the server: url (and dump_dir), or servers")
     summary = ExtractionSummary(failures=list(prior_failures), workers=workers)
     todo = _plan(samples, str(store), summary, line_numbers or {})
     planned = summary.failures[len(prior_failures) :]
     per_worker = -(-concurrency // workers) + 1
+    targets = list(servers) or [(str(url), dump_dir)]
+    count = min(workers, max(len(todo), 1))
     specs = [
         WorkerSpec(
-            index=i, url=url, dump_dir=None if dump_dir is None else str(dump_dir),
+            index=j * count + i, url=target, dump_dir=None if root is None else str(root),
             store=str(store), concurrency=per_worker, retries=retries, fail_fast=fail_fast,
             client_options=_share_budget(client_options or {}, workers),
-            store_options=dict(store_options or {}), part=writer_id,
+            store_options=dict(store_options or {}), part=writer_id, server=j,
         )
-        for i in range(min(workers, max(len(todo), 1)))
+        for j, (target, root) in enumerate(targets)
+        for i in range(count)
     ]  # fmt: skip
+    summary.workers = len(specs)
     path = Path(failures_path) if failures_path is not None else None
     with _FailureLog(path) as log, _sigterm_as_interrupt():
         for failure in [*prior_failures, *planned]:

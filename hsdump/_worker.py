@@ -84,6 +84,7 @@ class WorkerSpec:
     client_options: Mapping[str, Any] = field(default_factory=dict)
     store_options: Mapping[str, Any] = field(default_factory=dict)
     part: str | None = None
+    server: int = 0  # which of the run's servers (each has its own bound on requests in flight)
 
     @property
     def writer_id(self) -> str:

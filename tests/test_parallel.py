@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -213,3 +214,71 @@ def test_a_sigkill_of_the_whole_run_then_a_rerun_resumes_exactly(fake, tmp_path)
     assert rerun.wait(timeout=150) == 0, (tmp_path / "stderr.log").read_text()
     assert sorted(_contents(tmp_path / "s.zarr")) == sorted(s.id for s in _samples(120))
     assert verify_store(tmp_path / "s.zarr").clean
+
+
+# -- several servers, one store ----------------------------------------------------------------
+
+
+def test_samples_spread_over_several_servers_land_once_in_one_store(tmp_path) -> None:
+    samples = _samples(30)
+    with contextlib.ExitStack() as stack:
+        servers = [
+            stack.enter_context(FakeServer(tmp_path / f"dumps{i}", hidden_size=16))
+            for i in range(3)
+        ]
+        for server in servers:
+            server.engine.latency = 0.01
+        summary = run_parallel_extraction(
+            samples, servers=[(s.url, s.dump_dir) for s in servers], store=tmp_path / "many.zarr",
+            workers=1, concurrency=1,
+        )  # fmt: skip
+        served = [sum(r.rid.startswith("hsdump-") for r in s.received) for s in servers]
+        one = _run(servers[0], tmp_path / "one.zarr", samples, workers=1, concurrency=1)
+    assert summary.ok and one.ok and summary.samples_done == 30 and summary.workers == 3
+    assert _contents(tmp_path / "many.zarr").keys() == _contents(tmp_path / "one.zarr").keys()
+    for sid, (aux, final, ids) in _contents(tmp_path / "one.zarr").items():
+        many = _contents(tmp_path / "many.zarr")[sid]
+        assert torch.equal(many[0], aux) and torch.equal(many[1], final) and many[2] == ids
+    assert all(count > 1 for count in served)  # its probe and at least one sample each
+
+
+def test_a_server_whose_workers_cannot_open_is_left_out(fake, tmp_path) -> None:
+    samples = _samples(12)
+    summary = run_parallel_extraction(
+        samples, servers=[(fake.url, fake.dump_dir), ("http://127.0.0.1:9", tmp_path / "none")],
+        store=tmp_path / "s.zarr", workers=1,
+    )  # fmt: skip
+    assert summary.ok and summary.samples_done == 12
+    assert sorted(_contents(tmp_path / "s.zarr")) == sorted(s.id for s in samples)
+
+
+def test_extract_spreads_a_dataset_over_the_servers_in_a_servers_file(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from hsdump._cli import app
+
+    dataset = tmp_path / "d.jsonl"
+    rows = [{"id": s.id, "input_ids": list(s.input_ids)} for s in _samples(10)]
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with contextlib.ExitStack() as stack:
+        roots = [tmp_path / f"dumps{i}" for i in range(2)]
+        servers = [stack.enter_context(FakeServer(root, hidden_size=16)) for root in roots]
+        listing = [{"url": s.url, "dump_dir": str(s.dump_dir)} for s in servers]
+        (tmp_path / "servers.json").write_text(json.dumps(listing))
+        args = ["extract", str(dataset), "--out", str(tmp_path / "s.zarr"), "--servers"]
+        result = CliRunner().invoke(app, [*args, str(tmp_path / "servers.json"), "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    assert sorted(_contents(tmp_path / "s.zarr")) == sorted(r["id"] for r in rows)
+    assert "2 worker process(es)" in result.output
+
+
+def test_a_malformed_servers_file_is_a_one_line_error(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from hsdump._cli import app
+
+    (tmp_path / "servers.json").write_text(json.dumps([{"dump_dir": "/x"}]))
+    (tmp_path / "d.jsonl").write_text(json.dumps({"id": "a", "input_ids": [1]}) + "\n")
+    args = ["extract", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "s.zarr")]
+    result = CliRunner().invoke(app, [*args, "--servers", str(tmp_path / "servers.json")])
+    assert result.exit_code == 2 and "server 1: expected" in result.output
