@@ -12,21 +12,13 @@ import anyio
 import httpx
 import pytest
 import torch
+from _models import TINY
 
 from hsdump import HiddenStateClient, Sample
 from hsdump._pipeline import run_extraction
 from hsdump._reference import ReferenceServer, build_default_model
 from hsdump._store import open_store, verify_store
 
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-    "max_position_embeddings": 512,
-}
 LENGTHS = (1, 7, 33, 128, 300)
 
 

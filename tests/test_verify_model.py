@@ -7,6 +7,7 @@ import re
 import anyio
 import pytest
 import torch
+from _models import TINY
 from typer.testing import CliRunner
 
 from hsdump import HiddenStateClient, HiddenStates, Sample
@@ -16,15 +17,6 @@ from hsdump._protocol import DumpMeta, ProducerInfo
 from hsdump._reference import ReferenceServer, build_default_model
 from hsdump._store import open_store
 
-TINY = {
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 6,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 512,
-    "max_position_embeddings": 512,
-}
 runner = CliRunner()
 
 
