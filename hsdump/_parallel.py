@@ -210,7 +210,7 @@ class _Parallel:
         worker.conn.close()  # its inbox thread, blocked reading, sees the end and lets it exit
         worker.process.join(STOP_GRACE_S)
         worker.exited = True
-        self._requeue(worker)
+        self._requeue(worker, flushed=True)
         self._gate_freed(worker)
 
     def _died(self, worker: _Worker) -> None:
@@ -240,9 +240,14 @@ class _Parallel:
         self.asking[server] = deque(w for w in self.asking[server] if w is not worker)
         self._grant(server)
 
-    def _requeue(self, worker: _Worker) -> None:
+    def _requeue(self, worker: _Worker, *, flushed: bool = False) -> None:
         """Samples given to ``worker`` that its part does not hold go back to the queue."""
-        committed = self._committed_ids() if worker.given else set()
+        if flushed and worker.outstanding <= 0 and worker.spec.server not in self.lost:
+            # It reported every sample and committed before it said exit (a worker that died
+            # may not have): no need to read the store.
+            committed = set(worker.given) - worker.failed
+        else:
+            committed = self._committed_ids()
         left = [
             s
             for sid, s in worker.given.items()
@@ -405,6 +410,7 @@ def run_parallel_extraction(
             store=str(store), concurrency=per_worker, retries=retries, fail_fast=fail_fast,
             client_options=_share_budget(client_options or {}, workers),
             store_options=dict(store_options or {}), part=writer_id, server=j,
+            parent_pid=os.getpid(),
         )
         for j, (target, root) in enumerate(targets)
         for i in range(count)

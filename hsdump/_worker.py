@@ -85,6 +85,7 @@ class WorkerSpec:
     store_options: Mapping[str, Any] = field(default_factory=dict)
     part: str | None = None
     server: int = 0  # which of the run's servers (each has its own bound on requests in flight)
+    parent_pid: int = 0
 
     @property
     def writer_id(self) -> str:
@@ -97,7 +98,7 @@ class WorkerSpec:
 
 def worker_main(spec: WorkerSpec, conn: Any) -> None:
     """A worker process: extract what the parent sends until it says end (or stop)."""
-    _die_with_parent()
+    _die_with_parent(spec.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates a stop
     try:
         anyio.run(_worker, spec, conn)
@@ -105,11 +106,11 @@ def worker_main(spec: WorkerSpec, conn: Any) -> None:
         conn.close()
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent_pid: int) -> None:
     """Ask Linux to send SIGTERM when the parent dies, so no worker outlives a killed run."""
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:
+    if parent_pid and os.getppid() != parent_pid:
         os.kill(os.getpid(), signal.SIGTERM)  # the parent died before prctl took effect
 
 
