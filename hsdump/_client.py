@@ -23,6 +23,7 @@ import anyio
 import httpx
 
 from hsdump._budget import ByteBudget, default_budget_bytes
+from hsdump._cores import cores
 from hsdump._exceptions import (
     ConfigError,
     DumpTimeout,
@@ -456,7 +457,7 @@ class HiddenStateClient:
 
 def _ingest_threads() -> int:
     """Dumps read and checked at once: half the cores, 1 to 4 (one reads ~2 GB/s here)."""
-    return max(1, min(4, (os.cpu_count() or 2) // 2))
+    return max(1, min(4, cores() // 2))
 
 
 def _json(response: httpx.Response, what: str, **context: Any) -> Any:

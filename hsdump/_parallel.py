@@ -34,6 +34,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from hsdump._cores import cores
 from hsdump._exceptions import ConfigError, HsdumpError, WorkerError
 from hsdump._pipeline import (
     ExtractionSummary,
@@ -410,7 +411,7 @@ def run_parallel_extraction(
             store=str(store), concurrency=per_worker, retries=retries, fail_fast=fail_fast,
             client_options=_share_budget(client_options or {}, workers),
             store_options=dict(store_options or {}), part=writer_id, server=j,
-            parent_pid=os.getpid(),
+            parent_pid=os.getpid(), cores=max(1, cores() // (count * len(targets))),
         )
         for j, (target, root) in enumerate(targets)
         for i in range(count)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import collections
 import functools
 import logging
-import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -38,6 +37,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hsdump._codecs import bits_dtype, hidden_compressors, small_compressors
+from hsdump._cores import cores
 from hsdump._integrity import (
     COMMITTED_SAMPLES_KEY,
     STATE_CRC_KEY,
@@ -217,7 +217,7 @@ def shard_writers() -> int:
     Encoding a shard runs on the codec pool, but writing it is serial; with one shard in flight,
     16 cores kept the pool busy less than half the time. Each one holds a shard buffer in RAM.
     """
-    return max(1, min(4, (os.cpu_count() or 1) // 4))
+    return max(1, min(4, cores() // 4))
 
 
 class PartWriter:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hsdump._backend import local_root
+from hsdump._cores import cores
 
 if TYPE_CHECKING:
     from hsdump._part import PartLayout
@@ -36,8 +37,8 @@ _SHUFFLE = {"shuffle": 1, "bitshuffle": 2, "noshuffle": 0}
 
 @cache
 def codec_pool() -> ThreadPoolExecutor:
-    """The process-wide pool for codec and statistics work (one thread per core)."""
-    return ThreadPoolExecutor(max_workers=os.cpu_count() or 2, thread_name_prefix="hsdump-codec")
+    """The process-wide pool for codec and statistics work (one thread per core it may use)."""
+    return ThreadPoolExecutor(max_workers=max(2, cores()), thread_name_prefix="hsdump-codec")
 
 
 # A forked child (a DataLoader worker) inherits the pool object but not its threads.

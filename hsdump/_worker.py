@@ -21,6 +21,7 @@ import anyio
 import anyio.to_thread
 from anyio.abc import TaskGroup
 
+from hsdump._cores import ENV_CORES
 from hsdump._exceptions import HsdumpError
 from hsdump._pipeline import ExtractionSummary, run_extraction
 from hsdump._types import Sample
@@ -86,6 +87,7 @@ class WorkerSpec:
     part: str | None = None
     server: int = 0  # which of the run's servers (each has its own bound on requests in flight)
     parent_pid: int = 0
+    cores: int = 0  # this worker's share of the host's cores (0: all of them)
 
     @property
     def writer_id(self) -> str:
@@ -99,6 +101,8 @@ class WorkerSpec:
 def worker_main(spec: WorkerSpec, conn: Any) -> None:
     """A worker process: extract what the parent sends until it says end (or stop)."""
     _die_with_parent(spec.parent_pid)
+    if spec.cores:
+        os.environ[ENV_CORES] = str(spec.cores)  # before any pool is sized
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates a stop
     try:
         anyio.run(_worker, spec, conn)
