@@ -396,8 +396,37 @@ def _extract_parallel(options: dict[str, Any], url: str, dump_dir: Path | None) 
     return EXIT_OK if summary.ok else EXIT_FAILURES
 
 
+def _extract_ray(options: dict[str, Any], servers: Path | None, address: str | None) -> int:
+    """``--ray``: one actor per server of the servers file, each on its server's node."""
+    from hsdump._exceptions import ConfigError
+    from hsdump._pipeline import failures_path_for
+    from hsdump._ray import input_limits, run_ray_extraction
+
+    if servers is None:
+        raise ConfigError("--ray needs --servers FILE (each server's url, dump_dir and node)")
+    listed = read_server_nodes(servers)
+    dataset, prior = _read_dataset(options, input_limits(listed[0][0]))
+    failures_path = failures_path_for(options["out"])
+    with _progress_view(options["log_every"]) as view:
+        summary = run_ray_extraction(
+            dataset.samples, servers=listed, store=options["out"], address=address,
+            writer_id=options["writer_id"], concurrency=options["concurrency"],
+            retries=options["retries"], fail_fast=options["fail_fast"],
+            failures_path=failures_path, progress=view, line_numbers=dataset.line_numbers,
+            prior_failures=prior, client_options=_client_options(options),
+            store_options=_store_options(options),
+        )  # fmt: skip
+    _print_summary(summary, failures_path, fail_fast=options["fail_fast"])
+    return EXIT_OK if summary.ok else EXIT_FAILURES
+
+
 def read_servers(path: Path) -> list[tuple[str, Path | None]]:
     """The ``--servers`` file: a JSON list of ``{"url": ..., "dump_dir": ...}`` objects."""
+    return [(url, root) for url, root, _ in read_server_nodes(path)]
+
+
+def read_server_nodes(path: Path) -> list[tuple[str, Path | None, str | None]]:
+    """The ``--servers`` file with each server's optional ``"node"`` (for ``--ray``)."""
     from hsdump._exceptions import ConfigError
 
     try:
@@ -408,14 +437,16 @@ def read_servers(path: Path) -> list[tuple[str, Path | None]]:
         raise ConfigError(f"{path} must hold a non-empty JSON list of servers")
     servers = []
     for number, entry in enumerate(entries, 1):
-        url = entry.get("url") if isinstance(entry, dict) else None
-        root = entry.get("dump_dir") if isinstance(entry, dict) else None
-        if not isinstance(url, str) or not (root is None or isinstance(root, str)):
+        fields = entry if isinstance(entry, dict) else {}
+        url, root, node = (fields.get(key) for key in ("url", "dump_dir", "node"))
+        if not isinstance(url, str) or not all(
+            v is None or isinstance(v, str) for v in (root, node)
+        ):
             raise ConfigError(
-                f'{path}, server {number}: expected {{"url": str, "dump_dir": str}}, '
-                f"found {entry!r}"
+                f'{path}, server {number}: expected {{"url": str, "dump_dir": str, "node": str '
+                f"(optional)}}, found {entry!r}"
             )
-        servers.append((url, Path(root) if root else None))
+        servers.append((url, Path(root) if root else None, node))
     return servers
 
 
@@ -482,8 +513,9 @@ def extract(
         Path | None,
         typer.Option(
             "--servers",
-            help='A JSON file listing servers, [{"url": ..., "dump_dir": ...}, ...]: the dataset '
-            "is spread over them (--workers workers and --concurrency requests each).",
+            help='A JSON file listing servers, [{"url": ..., "dump_dir": ...}, ...] ("node": ... '
+            "for --ray): the dataset is spread over them (--workers workers and --concurrency "
+            "requests each).",
         ),
     ] = None,
     writer_id: Annotated[
@@ -492,6 +524,18 @@ def extract(
             help="This run's store part (default: 'default', or shardIofN with --shard); "
             "concurrent runs into one store need distinct ones."
         ),
+    ] = None,
+    ray: Annotated[
+        bool,
+        typer.Option(
+            "--ray",
+            help="Run one extraction actor per server of --servers on a Ray cluster, on the "
+            'server\'s "node" (pip install hsdump[ray]).',
+        ),
+    ] = False,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(help="The Ray cluster (default: RAY_ADDRESS, else the one on this node)."),
     ] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each sample.")] = False,
 ) -> None:
@@ -525,6 +569,9 @@ def extract(
             options["writer_id"] = writer_id or options["shard"].writer_id
         if _all_stored(options):
             return EXIT_OK
+        if ray:
+            with GracefulStop():
+                return _extract_ray(options, servers, ray_address)
         if servers is not None:
             options["servers"] = read_servers(servers)
             with GracefulStop():
