@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from hsdump._export import ExportSummary, export_store
     from hsdump._parallel import run_parallel_extraction
     from hsdump._pipeline import Backoff, ExtractionSummary, run_extraction
+    from hsdump._ray import run_ray_extraction
     from hsdump._reference import ReferenceServer
     from hsdump._store import HiddenStateStore, open_store
     from hsdump._watcher import DumpWatcher, InotifyWatcher, PollingWatcher, WatchfilesWatcher
@@ -71,6 +72,7 @@ _LAZY = {
     "pad_collate": "hsdump._batching",
     "run_extraction": "hsdump._pipeline",
     "run_parallel_extraction": "hsdump._parallel",
+    "run_ray_extraction": "hsdump._ray",
 }
 
 __all__ = [
@@ -121,6 +123,7 @@ __all__ = [
     "pad_collate",
     "run_extraction",
     "run_parallel_extraction",
+    "run_ray_extraction",
 ]
 
 

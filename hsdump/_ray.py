@@ -1,0 +1,578 @@
+"""Extraction over a Ray cluster: one actor per server, on that server's node, into one store.
+
+A server's dump root is local to its node, so the process that reads its dumps must run there.
+:func:`run_ray_extraction` starts one :class:`~hsdump._rayactor.ExtractionActor` per server,
+pinned to the server's node with ``NodeAffinitySchedulingStrategy(node_id, soft=False)``: a node
+named in the servers list by its Ray node id, its ``hsdump-node:<name>`` custom resource, its
+hostname or its IP address (resolved to one node id at the start; no ``node``: this process's
+node). A hard affinity rather than a custom-resource request, so that any node of an existing
+cluster works with no resources declared at ``ray start``.
+
+This process (the driver) keeps the queue: it hands batches of samples to the actors that have
+room (two batches out per actor), so a slow server takes fewer. A batch is committed when its
+result arrives (the actor flushes the store before it answers).
+
+Failures: Ray does not restart actors here (``max_restarts=0``); the driver does, so that each
+incarnation writes a part of its own (``<writer_id>-s<server>-a<n>``) and a lingering dead one
+never shares a part lock with its successor. When an actor or its node dies, the driver waits
+until the dead actor's part lock is free (the OS frees it with the process: nothing more can be
+committed there), reads the store, and puts the samples of its batches that are not committed
+back at the front of the queue; the actor is started again on its node (a few times at most),
+and a server whose node is gone is left out. The store is the one truth of what is committed,
+as in :mod:`hsdump._parallel`, so each sample is committed once, also over reruns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hsdump._exceptions import ConfigError, HsdumpError, WorkerError
+from hsdump._parallel import _plan, _sigterm_as_interrupt
+from hsdump._pipeline import ExtractionSummary, Failure, ProgressCallback, _FailureLog
+from hsdump._rayactor import ActorSpec, BatchResult, ExtractionActor
+from hsdump._types import Sample
+from hsdump._worker import STOP_GRACE_S
+
+if TYPE_CHECKING:
+    from hsdump._inputs import InputLimits
+
+__all__ = ["NODE_RESOURCE", "input_limits", "run_ray_extraction"]
+
+logger = logging.getLogger(__name__)
+
+NODE_RESOURCE = "hsdump-node:"
+_MAX_RESTARTS = 3
+_CREDIT = 2  # batches out per actor: the next one is queued there while one finishes
+_ADDITIVE = ("samples_done", "tokens_done", "bytes_raw", "retries", "skipped")
+_TOTALS = ("bytes_stored", "store_bytes_raw", "cpu_s")
+
+ServerEntry = tuple[str, "str | os.PathLike[str] | None", "str | None"]
+
+
+@dataclass(eq=False)
+class _Actor:
+    server: int
+    node: str
+    handle: Any
+    attempt: int
+    restarts: int = 0
+    writer_id: str | None = None  # its part, once open
+    out: dict[Any, list[Sample]] = field(default_factory=dict)  # batches out, by call ref
+    totals: dict[str, Any] = field(default_factory=dict)
+    dead: bool = False
+
+
+class _RayRun:
+    def __init__(self, ray: Any, specs: list[ActorSpec], nodes: list[str], todo: list[Sample],
+                 **options: Any):  # fmt: skip
+        self.ray, self.specs, self.nodes = ray, specs, nodes
+        self.remote = ray.remote(max_restarts=0, num_cpus=1)(ExtractionActor)
+        self.pending: deque[Sample] = deque(todo)
+        self.summary: ExtractionSummary = options["summary"]
+        self.log: _FailureLog = options["log"]
+        self.lines: Mapping[str, int] = options["line_numbers"] or {}
+        self.progress: ProgressCallback | None = options["progress"]
+        self.store: str = options["store"]
+        self.fail_fast: bool = options["fail_fast"]
+        self.batch_tokens: int = options["batch_tokens"]
+        self.grace_s: float = options["writer_grace_s"]
+        self.calls: dict[Any, tuple[_Actor, str]] = {}
+        self.actors: list[_Actor] = []
+        self.closed: dict[str, Any] = {name: 0 for name in (*_ADDITIVE, *_TOTALS)}
+        self.closed.update(stages={}, peak_rss_bytes=0)
+        self.lost: dict[int, str] = {}
+        self.held_back: list[Sample] = []  # leases of an actor that may still be writing
+        self.stopping = False
+        self._ready = False
+        self._skipped_at_start = self.summary.skipped
+        self._reported = 0.0
+
+    def run(self) -> None:
+        try:
+            for server in range(len(self.specs)):
+                self._start(server, attempt=0, restarts=0)
+            while not self._done():
+                self._dispatch()
+                self._wait_once()
+            self._close_all()
+        except BaseException:
+            self.summary.interrupted = True
+            self._stop()
+            raise
+        finally:
+            self._kill_all()
+            self._report(force=True)
+
+    # -- actors --------------------------------------------------------------------------------
+
+    def _start(self, server: int, *, attempt: int, restarts: int) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        node = self.nodes[server]
+        strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+        spec = replace(self.specs[server], attempt=attempt)
+        name = f"hsdump-{spec.part}-{attempt}"  # so that an operator can find it (ray.get_actor)
+        handle = self.remote.options(name=name, scheduling_strategy=strategy).remote(spec)
+        actor = _Actor(server, node, handle, attempt, restarts)
+        self.actors.append(actor)
+        self.calls[handle.open.remote()] = (actor, "open")
+
+    def _live(self) -> list[_Actor]:
+        return [a for a in self.actors if not a.dead]
+
+    def _done(self) -> bool:
+        return not self.pending and all(not a.out for a in self._live())
+
+    def _dispatch(self) -> None:
+        for actor in self._live():
+            while actor.writer_id is not None and len(actor.out) < _CREDIT and self.pending:
+                batch = self._next_batch()
+                ref = actor.handle.extract.remote(batch)
+                actor.out[ref] = batch
+                self.calls[ref] = (actor, "extract")
+
+    def _next_batch(self) -> list[Sample]:
+        batch, tokens = [self.pending.popleft()], 0
+        tokens = len(batch[0].input_ids)
+        while self.pending and tokens + len(self.pending[0].input_ids) <= self.batch_tokens:
+            tokens += len(self.pending[0].input_ids)
+            batch.append(self.pending.popleft())
+        return batch
+
+    def _wait_once(self) -> None:
+        ready, _ = self.ray.wait(list(self.calls), num_returns=1, timeout=1.0)
+        for ref in ready:
+            self._settle(ref)
+        self._report()
+
+    def _settle(self, ref: Any) -> None:
+        entry = self.calls.pop(ref, None)
+        if entry is None:
+            return  # a call of an actor already handled as dead
+        actor, kind = entry
+        try:
+            result: BatchResult = self.ray.get(ref)
+        except self.ray.exceptions.RayError as exc:
+            self._died(actor, _reason(exc), restart=True)
+            return
+        actor.totals = result.totals or actor.totals
+        if result.error is not None:
+            self._died(actor, f"{result.error}: {result.message}", restart=False)
+        elif kind == "open":
+            actor.writer_id = result.writer_id
+            url = self.specs[actor.server].url
+            logger.info(
+                "the actor of %s runs on node %s: part %s", url, result.node_id, actor.writer_id
+            )
+            if not self._ready:
+                self._ready = True
+                self.summary.started = time.monotonic()  # rates exclude the actors' start-up
+        else:
+            self._add(result, actor.out.pop(ref))
+
+    def _add(self, result: BatchResult, batch: list[Sample]) -> None:
+        for name in _ADDITIVE:
+            self.closed[name] += getattr(result, name)
+        for failure in result.failures:
+            self._failed(failure)
+
+    def _failed(self, failure: Failure) -> None:
+        if failure.sample_id is not None:
+            failure = replace(failure, line=self.lines.get(failure.sample_id))
+        self.summary.failures.append(failure)
+        self.log.record(failure)
+        if self.fail_fast:
+            self.pending.clear()
+            self.stopping = True
+
+    # -- failures ------------------------------------------------------------------------------
+
+    def _died(self, actor: _Actor, reason: str, *, restart: bool) -> None:
+        """An actor is gone (or refused to go on): redo what it did not commit, then replace it."""
+        if actor.dead:
+            return
+        actor.dead = True
+        with contextlib.suppress(Exception):
+            self.ray.kill(actor.handle, no_restart=True)
+        url = self.specs[actor.server].url
+        level = logging.DEBUG if self.stopping else logging.WARNING
+        logger.log(level, "the actor of %s (part %s) ended: %s", url, actor.writer_id, reason)
+        leased = [s for batch in actor.out.values() for s in batch]
+        for ref in actor.out:
+            self.calls.pop(ref, None)
+        actor.out = {}
+        self._fold(actor.totals)
+        if leased:
+            self._resolve(actor, leased)
+        if self.stopping:
+            return
+        if restart and actor.restarts < _MAX_RESTARTS and self._node_alive(actor.node):
+            self._start(actor.server, attempt=actor.attempt + 1, restarts=actor.restarts + 1)
+        else:
+            self._lose(actor.server, reason)
+
+    def _resolve(self, actor: _Actor, leased: list[Sample]) -> None:
+        """Count what the dead actor committed; the rest goes back to the queue."""
+        if actor.writer_id and not _writer_gone(self.store, actor.writer_id, self.grace_s):
+            logger.warning(
+                "part %s of %s is still locked %.0f s after its actor died: %d samples are left "
+                "for a rerun, so that none is committed twice",
+                actor.writer_id, self.store, self.grace_s, len(leased),
+            )  # fmt: skip
+            self.held_back.extend(leased)
+            return
+        committed = self._committed_ids()
+        done = [s for s in leased if s.id in committed]
+        per_token = self.closed["bytes_raw"] / max(self.closed["tokens_done"], 1)
+        tokens = sum(len(s.input_ids) for s in done)
+        self.closed["samples_done"] += len(done)
+        self.closed["tokens_done"] += tokens
+        self.closed["bytes_raw"] += int(tokens * per_token)
+        if not self.stopping:
+            self.pending.extendleft(reversed([s for s in leased if s.id not in committed]))
+
+    def _committed_ids(self) -> set[str]:
+        from hsdump._store import open_store
+
+        try:
+            with open_store(self.store, "r") as store:
+                return store.committed_ids()
+        except HsdumpError:
+            return set()  # no store yet: nothing was committed
+
+    def _node_alive(self, node: str) -> bool:
+        return any(n["NodeID"] == node and n["Alive"] for n in self.ray.nodes())
+
+    def _lose(self, server: int, reason: str) -> None:
+        """A server is left out; the run ends when none is left."""
+        self.lost[server] = reason
+        url = self.specs[server].url
+        if self._live():
+            logger.warning("leaving %s out of this run: %s", url, reason)
+            return
+        reasons = "; ".join(f"{self.specs[j].url}: {why}" for j, why in self.lost.items())
+        raise WorkerError(
+            f"every extraction actor is dead ({reasons}); committed samples are kept: fix the "
+            "cause and rerun to resume"
+        )
+
+    # -- the end -------------------------------------------------------------------------------
+
+    def _close_all(self) -> None:
+        """Close every open actor: it flushes its part and closes its client."""
+        closing = {a.handle.close.remote(): a for a in self._live() if a.writer_id is not None}
+        for ref in self._wait_all(list(closing)):
+            actor = closing[ref]
+            try:
+                result: BatchResult = self.ray.get(ref)
+            except self.ray.exceptions.RayError as exc:
+                logger.warning("the actor of part %s did not close: %s", actor.writer_id, exc)
+                result = BatchResult()
+            actor.totals = result.totals or actor.totals
+            if result.error is not None:
+                logger.warning("part %s: %s: %s", actor.writer_id, result.error, result.message)
+        for actor in self._live():
+            actor.dead = True
+            self._fold(actor.totals)
+
+    def _wait_all(self, refs: list[Any]) -> list[Any]:
+        """The calls of ``refs`` that end within the stop grace."""
+        if not refs:
+            return []
+        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=STOP_GRACE_S)
+        return list(ready)
+
+    def _stop(self) -> None:
+        """Interrupted: cancel the batches out (each commits what it wrote), count, close."""
+        self.stopping = True
+        self.pending.clear()
+        out = [ref for ref, (_, kind) in self.calls.items() if kind == "extract"]
+        for ref in out:
+            with contextlib.suppress(Exception):
+                self.ray.cancel(ref)
+        with contextlib.suppress(Exception):
+            self._wait_all(out)
+            committed = self._committed_ids()
+            for actor in self._live():
+                done = [s for batch in actor.out.values() for s in batch if s.id in committed]
+                self.closed["samples_done"] += len(done)
+                self.closed["tokens_done"] += sum(len(s.input_ids) for s in done)
+                actor.out = {}
+            self._close_all()
+
+    def _kill_all(self) -> None:
+        for actor in self.actors:
+            with contextlib.suppress(Exception):
+                self.ray.kill(actor.handle, no_restart=True)
+
+    # -- counters ------------------------------------------------------------------------------
+
+    def _fold(self, totals: Mapping[str, Any]) -> None:
+        """An ended actor's running totals join the closed counters."""
+        for name in _TOTALS:
+            self.closed[name] += totals.get(name, 0)
+        for name, seconds in totals.get("stages", {}).items():
+            self.closed["stages"][name] = self.closed["stages"].get(name, 0.0) + seconds
+        self.closed["peak_rss_bytes"] += totals.get("peak_rss_bytes", 0)
+
+    def _report(self, *, force: bool = False) -> None:
+        s, closed = self.summary, self.closed
+        live = [a.totals for a in self._live()]
+        for name in _ADDITIVE:
+            setattr(s, name, closed[name])
+        s.skipped += self._skipped_at_start
+        for name in _TOTALS:
+            setattr(s, name, closed[name] + sum(t.get(name, 0) for t in live))
+        s.cpu_s += time.process_time()
+        stages = dict(closed["stages"])
+        for totals in live:
+            for name, seconds in totals.get("stages", {}).items():
+                stages[name] = stages.get(name, 0.0) + seconds
+        s.stages = stages
+        s.peak_rss_bytes = closed["peak_rss_bytes"] + sum(t.get("peak_rss_bytes", 0) for t in live)
+        now = time.monotonic()
+        if self.progress is not None and (force or now - self._reported > 0.1):
+            self._reported = now
+            self.progress(s)
+
+
+def _reason(exc: BaseException) -> str:
+    """The first line of a Ray error: its type and what Ray says, without the traceback."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _writer_gone(store: str, writer_id: str, timeout: float) -> bool:
+    """Whether the part's writer lock is free within ``timeout`` s (its process is gone)."""
+    from hsdump._backend import LOCK_DIR_SUFFIX
+    from hsdump._part import PART_PREFIX
+
+    root = Path(store).resolve()
+    lock = root.parent / f"{root.name}{LOCK_DIR_SUFFIX}" / f"{PART_PREFIX}{writer_id}.lock"
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:
+        return True  # not a local store, or the part never opened
+    freed = threading.Event()
+
+    def take() -> None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # blocks until the dead writer's lock is released
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+        freed.set()
+
+    threading.Thread(target=take, name=f"hsdump-fence-{writer_id}", daemon=True).start()
+    return freed.wait(timeout)
+
+
+# -- Ray and its nodes ----------------------------------------------------------------------------
+
+
+def _import_ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError(
+            f"extraction on a Ray cluster needs Ray, which is not installed ({exc}): "
+            "pip install 'hsdump[ray]'"
+        ) from exc
+    return ray
+
+
+@contextlib.contextmanager
+def _connected(ray: Any, address: str | None) -> Iterator[None]:
+    """Joins the cluster at ``address`` (unless already joined), and leaves it at the end."""
+    if ray.is_initialized():
+        yield
+        return
+    try:
+        ray.init(address=address, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise ConfigError(
+            f"cannot join the Ray cluster at {address or 'RAY_ADDRESS or this node'}: {exc}. "
+            "Start it with `ray start --head` (then `ray start --address HEAD:6379` on the other "
+            "nodes) and pass its address"
+        ) from exc
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def resolve_nodes(ray: Any, servers: Sequence[ServerEntry]) -> list[str]:
+    """The Ray node id of each server's ``node``; this process's node where none is named."""
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    here = ray.get_runtime_context().get_node_id()
+    return [
+        here if node is None else _find_node(node, f"server {i} ({url})", alive)
+        for i, (url, _, node) in enumerate(servers, 1)
+    ]
+
+
+def _find_node(name: str, server: str, alive: list[dict[str, Any]]) -> str:
+    rules = (
+        ("node id", lambda n: n["NodeID"] == name),
+        ("resource", lambda n: f"{NODE_RESOURCE}{name}" in n["Resources"]),
+        ("host", lambda n: name in (n["NodeManagerAddress"], n["NodeManagerHostname"])),
+    )
+    for what, rule in rules:
+        found = [str(n["NodeID"]) for n in alive if rule(n)]
+        if len(found) == 1:
+            return found[0]
+        if found:
+            raise ConfigError(
+                f"{server}: node {name!r} matches {len(found)} live Ray nodes by {what} "
+                f"({', '.join(found)}): name one by its node id, or give each node its own "
+                f"resource at `ray start --resources '{{\"{NODE_RESOURCE}NAME\": 1}}'`"
+            )
+    listed = ", ".join(_describe(n) for n in alive) or "none"
+    raise ConfigError(
+        f"{server}: node {name!r} is not a live node of the Ray cluster (live nodes: {listed}). "
+        "Start Ray on it (`ray start --address HEAD:6379`) or correct the servers file's node"
+    )
+
+
+def _describe(node: Mapping[str, Any]) -> str:
+    names = [
+        r.removeprefix(NODE_RESOURCE) for r in node["Resources"] if r.startswith(NODE_RESOURCE)
+    ]
+    return f"{node['NodeManagerAddress']} {node['NodeID'][:12]}" + "".join(f" {r}" for r in names)
+
+
+def input_limits(url: str) -> InputLimits:
+    """The input limits the server at ``url`` reports (none are checked if it cannot say)."""
+    import httpx
+
+    from hsdump._inputs import InputLimits
+
+    try:
+        response = httpx.get(f"{url.rstrip('/')}/server_info", timeout=30.0)
+        response.raise_for_status()
+        info = response.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        logger.warning("cannot read %s/server_info (%s): dataset lines are checked later", url, exc)
+        return InputLimits()
+    return InputLimits.from_server_info(info if isinstance(info, dict) else {})
+
+
+def _absolute(store: str | os.PathLike[str]) -> str:
+    """A local store's absolute path: the actors do not run in this process's directory."""
+    text = os.fspath(store)
+    return text if "://" in text else str(Path(text).absolute())
+
+
+def run_ray_extraction(
+    samples: Sequence[Sample],
+    *,
+    servers: Sequence[ServerEntry],
+    store: str | os.PathLike[str],
+    address: str | None = None,
+    writer_id: str | None = None,
+    concurrency: int = 1,
+    retries: int = 3,
+    fail_fast: bool = False,
+    batch_tokens: int = 32768,
+    writer_grace_s: float = 120.0,
+    failures_path: str | os.PathLike[str] | None = None,
+    progress: ProgressCallback | None = None,
+    line_numbers: Mapping[str, int] | None = None,
+    prior_failures: Sequence[Failure] = (),
+    client_options: Mapping[str, Any] | None = None,
+    store_options: Mapping[str, Any] | None = None,
+) -> ExtractionSummary:
+    """Extract every sample ``store`` does not hold yet on a Ray cluster, one actor per server.
+
+    Each server's actor runs on the server's node (its dump root is local there), opens its own
+    :class:`~hsdump.HiddenStateClient` and writes its own part of the store, which every node
+    must see at the same path (a shared file system, or object storage). This process keeps the
+    queue and hands batches to the actors with room. A dead actor or node loses nothing: its
+    uncommitted samples go to the others and the actor is started again where its node lives.
+    A rerun resumes; each sample is committed once.
+
+    Args:
+        samples: The samples.
+        servers: ``(url, dump_dir, node)`` per server. ``node`` names the server's Ray node by
+            node id, ``hsdump-node:<node>`` custom resource, hostname or IP address; None: the
+            node of this process.
+        store: The store's path.
+        address: The Ray cluster (``ray.init``'s address: ``"auto"``, ``"HOST:6379"``); None:
+            ``RAY_ADDRESS``, else the cluster running on this node, else a new local one.
+            Ignored when Ray is already initialised in this process.
+        writer_id: Prefix of the actors' parts (``<writer_id>-s<server>-a<n>``; default
+            ``ray``), so that several runs into one store write distinct parts.
+        concurrency: Requests at each server at once.
+        retries: Retries of a sample after a transient failure.
+        fail_fast: Stop at the first failure.
+        batch_tokens: Tokens per batch handed to an actor (at least one sample); each batch
+            ends with a commit.
+        writer_grace_s: How long to wait for a dead actor's part lock to be released before its
+            uncommitted samples are redone (after that they are left for a rerun).
+        failures_path: The JSONL failures file, rewritten by each run; none when None.
+        progress: Called with the live summary (at most every 0.1 s).
+        line_numbers: Dataset line of each sample id, for the failures file.
+        prior_failures: Failures found before the run (bad dataset lines), recorded first.
+        client_options: Further :class:`~hsdump.HiddenStateClient` arguments (timeouts...).
+        store_options: Further :func:`~hsdump.open_store` arguments (``shard_tokens``...).
+
+    Returns:
+        The summary over all actors; ``progress`` has seen it last with the final counts.
+
+    Raises:
+        ConfigError: Ray is not installed, the cluster cannot be joined, or a server's node is
+            not in it.
+        WorkerError: Every actor died or could not open its client or store.
+        KeyboardInterrupt: Ctrl-C or SIGTERM, once the actors have committed what they wrote.
+    """
+    if concurrency < 1 or retries < 0 or batch_tokens < 1 or not servers:
+        raise ConfigError(
+            f"servers must be non-empty, concurrency and batch_tokens >= 1 and retries >= 0, "
+            f"got {len(servers)} servers, {concurrency}, {batch_tokens}, {retries}"
+        )
+    ray = _import_ray()
+    summary = ExtractionSummary(failures=list(prior_failures), workers=len(servers))
+    path = _absolute(store)
+    todo = _plan(samples, path, summary, line_numbers or {})
+    planned = summary.failures[len(prior_failures) :]
+    specs = [
+        ActorSpec(
+            server=j, url=url, dump_dir=None if root is None else os.fspath(root), store=path,
+            part=f"{writer_id or 'ray'}-s{j}", attempt=0, concurrency=concurrency,
+            retries=retries, fail_fast=fail_fast, client_options=dict(client_options or {}),
+            store_options=dict(store_options or {}),
+        )
+        for j, (url, root, _) in enumerate(servers)
+    ]  # fmt: skip
+    failures = Path(failures_path) if failures_path is not None else None
+    with _FailureLog(failures) as log, _sigterm_as_interrupt():
+        for failure in [*prior_failures, *planned]:
+            log.record(failure)
+        if todo and not (fail_fast and summary.failures):
+            with _connected(ray, address):
+                nodes = resolve_nodes(ray, servers)
+                runner = _RayRun(
+                    ray, specs, nodes, todo, summary=summary, log=log, line_numbers=line_numbers,
+                    progress=progress, store=path, fail_fast=fail_fast, batch_tokens=batch_tokens,
+                    writer_grace_s=writer_grace_s,
+                )  # fmt: skip
+                try:
+                    runner.run()
+                except ray.exceptions.RayError as exc:
+                    raise WorkerError(f"the Ray cluster failed: {_reason(exc)}") from exc
+                finally:
+                    summary.finished = time.monotonic()
+            left = runner.pending or runner.held_back
+            summary.interrupted = summary.interrupted or bool(left)
+    summary.finished = time.monotonic()
+    return summary

@@ -1,0 +1,175 @@
+"""The extraction actor of a Ray run (see :mod:`hsdump._ray`): one per server, on its node.
+
+This module imports no Ray: :mod:`hsdump._ray` wraps :class:`ExtractionActor` with
+``ray.remote`` when a run starts. An actor opens its own :class:`~hsdump.HiddenStateClient` on
+its server and dump root and its own part of the store, then extracts the batches the driver
+hands it. Each batch is one :func:`~hsdump.run_extraction`, which flushes the store before it
+returns: a batch whose result reached the driver is committed, so after a death only the batches
+still out need a look at the store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from hsdump._exceptions import HsdumpError, StoreError
+from hsdump._pipeline import (
+    ExtractionSummary,
+    Failure,
+    _store_bytes,
+    peak_rss_bytes,
+    run_extraction,
+)
+from hsdump._types import Sample
+
+__all__ = ["ActorSpec", "BatchResult", "ExtractionActor"]
+
+_PART_TRIES = 16  # parts to try past one still locked by an earlier incarnation that lingers
+_CLIENT_STAGES = ("server", "dump_wait", "ingest")
+
+
+@dataclass(frozen=True)
+class ActorSpec:
+    """What one actor needs: its server, the store, and the first part name to try."""
+
+    server: int
+    url: str
+    dump_dir: str | None
+    store: str
+    part: str  # parts are "<part>-a<n>", n from ``attempt`` on
+    attempt: int
+    concurrency: int
+    retries: int
+    fail_fast: bool
+    client_options: Mapping[str, Any] = field(default_factory=dict)
+    store_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BatchResult:
+    """What an actor call reports: additive counts of this call, and the actor's running totals.
+
+    ``error`` is set (an hsdump error's class name, with ``message``) when the actor cannot go
+    on: its client or store did not open, or the store refused a write.
+    """
+
+    samples_done: int = 0
+    tokens_done: int = 0
+    bytes_raw: int = 0
+    retries: int = 0
+    skipped: int = 0
+    failures: list[Failure] = field(default_factory=list)
+    totals: dict[str, Any] = field(default_factory=dict)
+    writer_id: str | None = None
+    node_id: str | None = None
+    error: str | None = None
+    message: str = ""
+
+    @classmethod
+    def of(cls, summary: ExtractionSummary, totals: dict[str, Any]) -> BatchResult:
+        """The counts of one finished batch."""
+        return cls(
+            samples_done=summary.samples_done, tokens_done=summary.tokens_done,
+            bytes_raw=summary.bytes_raw, retries=summary.retries, skipped=summary.skipped,
+            failures=list(summary.failures), totals=totals,
+        )  # fmt: skip
+
+
+class ExtractionActor:
+    """Extracts batches from one server into one store part (run as a Ray actor).
+
+    Its calls are coroutines on one event loop: two batches may run at once (the driver keeps
+    the next one queued), sharing the client, whose ``max_in_flight`` keeps the server's bound.
+    """
+
+    def __init__(self, spec: ActorSpec):
+        self.spec = spec
+        self._stack = contextlib.AsyncExitStack()
+        self._client: Any = None
+        self._store: Any = None
+        self._start: dict[str, Any] = {}
+        self._store_write_s = 0.0
+
+    async def open(self) -> BatchResult:
+        """Open the client and the first free store part; report the part or why it failed."""
+        try:
+            await self._open()
+        except HsdumpError as exc:
+            await self._stack.aclose()
+            return BatchResult(error=type(exc).__name__, message=str(exc))
+        import ray  # this runs in a Ray worker
+
+        node = ray.get_runtime_context().get_node_id()
+        return BatchResult(writer_id=self._store.writer_id, node_id=node, totals=self._totals())
+
+    async def _open(self) -> None:
+        from hsdump._client import HiddenStateClient
+
+        spec = self.spec
+        client = HiddenStateClient(
+            spec.url, dump_dir=spec.dump_dir, max_in_flight=spec.concurrency,
+            **spec.client_options,
+        )  # fmt: skip
+        self._client = await self._stack.enter_async_context(client)
+        self._store = self._stack.enter_context(self._open_part())
+        self._start = {
+            "cpu_s": time.process_time(),
+            "stored": _store_bytes(self._store),
+            **{name: getattr(client.stats, f"{name}_s") for name in _CLIENT_STAGES},
+        }
+
+    def _open_part(self) -> Any:
+        """The part ``<part>-a<n>`` for the first ``n`` whose lock no other process holds."""
+        from hsdump._store import open_store
+
+        spec = self.spec
+        for attempt in range(spec.attempt, spec.attempt + _PART_TRIES):
+            writer_id = f"{spec.part}-a{attempt}"
+            try:
+                return open_store(spec.store, "a", writer_id=writer_id, **spec.store_options)
+            except StoreError as exc:
+                if not isinstance(exc.__cause__, BlockingIOError):
+                    raise  # anything but a part in use by a lingering process
+        raise StoreError(
+            f"parts {spec.part}-a{spec.attempt} to -a{spec.attempt + _PART_TRIES - 1} of "
+            f"{spec.store} are all held by live processes: stop the old runs' actors and rerun"
+        )
+
+    async def extract(self, batch: list[Sample]) -> BatchResult:
+        """Extract and commit ``batch``; committed when this returns."""
+        try:
+            summary = await run_extraction(
+                batch, client=self._client, store=self._store, retries=self.spec.retries,
+                concurrency=self.spec.concurrency, fail_fast=self.spec.fail_fast,
+            )  # fmt: skip
+        except HsdumpError as exc:  # the store refused a write: no later batch would fare better
+            return BatchResult(error=type(exc).__name__, message=str(exc), totals=self._totals())
+        self._store_write_s += summary.stages.get("store_write", 0.0)
+        return BatchResult.of(summary, self._totals())
+
+    async def close(self) -> BatchResult:
+        """Flush and close the store part and the client; the final totals."""
+        try:
+            totals = self._totals() if self._store is not None else {}
+            await self._stack.aclose()
+        except HsdumpError as exc:
+            return BatchResult(error=type(exc).__name__, message=str(exc))
+        return BatchResult(totals=totals)
+
+    def _totals(self) -> dict[str, Any]:
+        """This actor's running totals (absolute, so two batches at once are not counted twice)."""
+        stats, start = self._client.stats, self._start
+        stages = {name: getattr(stats, f"{name}_s") - start[name] for name in _CLIENT_STAGES}
+        stages["store_write"] = self._store_write_s
+        raw, stored = _store_bytes(self._store)
+        return {
+            "stages": stages,
+            "cpu_s": time.process_time() - start["cpu_s"],
+            "peak_rss_bytes": peak_rss_bytes(),
+            "store_bytes_raw": raw - start["stored"][0],
+            "bytes_stored": stored - start["stored"][1],
+        }
