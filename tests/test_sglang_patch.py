@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 import torch
 
+import sglang_patch._ledger
 from hsdump._exceptions import DumpFailed
-from hsdump._protocol import ProducerInfo, read_dump, request_dir
+from hsdump._protocol import DumpWriter, ProducerInfo, read_dump, request_dir
 from sglang_patch._config import PluginConfig, load_config
 from sglang_patch._dumper import Dumper
 from sglang_patch._plan import ChunkPlanner
@@ -233,6 +234,61 @@ def test_a_row_write_that_fails_on_the_pool_publishes_an_error(dumper, tmp_path,
     forward(d, batch([req], [4], [0]), rows(4))
     with pytest.raises(DumpFailed, match="No space left"):
         read_dump(request_dir(tmp_path, req.rid))
+    assert [p.name for p in tmp_path.iterdir()] == ["req_hsdump-a"]
+
+
+@pytest.fixture
+def held_writes(monkeypatch):
+    """Row writes of the rids in ``held`` wait for ``release``; ``started[rid]`` is set on entry."""
+    state = SimpleNamespace(held=set(), release=threading.Event(), started={})
+    real = DumpWriter.write_rows
+
+    def write_rows(self, start, aux, final) -> None:
+        state.started.setdefault(self.rid, threading.Event()).set()
+        if self.rid in state.held:
+            assert state.release.wait(10)
+        real(self, start, aux, final)
+
+    monkeypatch.setattr(DumpWriter, "write_rows", write_rows)
+    yield state
+    state.release.set()
+
+
+def test_the_next_groups_rows_are_written_while_an_earlier_group_is_still_writing(
+    dumper, tmp_path, held_writes
+) -> None:
+    d, a, b = dumper(write_threads=2), Req("hsdump-a", 4), Req("hsdump-b", 4)
+    held_writes.held.add(a.rid)
+    d.on_forward(batch([a], [4], [0]), SimpleNamespace(hidden_states=rows(4)))
+    d.on_forward(batch([b], [4], [0]), SimpleNamespace(hidden_states=rows(4, seed=1)))
+    started_b = held_writes.started.setdefault(b.rid, threading.Event())
+    assert started_b.wait(10)  # while a's write is held
+    held_writes.release.set()
+    d.writer.drain()
+    assert_dump(tmp_path, a, rows(4))
+    assert_dump(tmp_path, b, rows(4, seed=1))
+
+
+def test_an_error_for_a_request_whose_rows_are_being_written_publishes_only_the_error(
+    dumper, tmp_path, held_writes, monkeypatch
+) -> None:
+    marked = threading.Event()
+    real_error = sglang_patch._ledger.write_error
+
+    def write_error(*args, **kwargs):
+        real_error(*args, **kwargs)
+        marked.set()
+
+    monkeypatch.setattr(sglang_patch._ledger, "write_error", write_error)
+    d, a = dumper(write_threads=2), Req("hsdump-a", 4)
+    held_writes.held.add(a.rid)
+    d.on_forward(batch([a], [4], [0]), SimpleNamespace(hidden_states=rows(4)))
+    d.writer.submit_error(a.rid, "the request was cancelled")
+    assert marked.wait(10)  # the error is handled while the row write is still held
+    held_writes.release.set()  # the write lands in files that must still be mapped
+    d.writer.drain()
+    with pytest.raises(DumpFailed, match="cancelled"):
+        read_dump(request_dir(tmp_path, a.rid))
     assert [p.name for p in tmp_path.iterdir()] == ["req_hsdump-a"]
 
 
