@@ -28,6 +28,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from hsdump._exceptions import HsdumpError
+from hsdump._objstore import local_side, store_may_exist
 from hsdump._signals import GracefulStop
 
 __all__ = ["app", "main"]
@@ -324,7 +325,7 @@ async def _extract(
     async with client:
         limits = InputLimits.from_server_info(client.server_info)
         dataset, prior = _read_dataset(options, limits)
-        failures_path = failures_path_for(options["out"])
+        failures_path = failures_path_for(local_side(options["out"]))
         store_options = _store_options(options)
         view = _progress_view(options["log_every"])
         # A stop signal cancels the run alone: it flushes the store, and the summary follows.
@@ -366,7 +367,7 @@ def _extract_parallel(options: dict[str, Any], url: str, dump_dir: Path | None) 
     from hsdump._pipeline import failures_path_for
 
     dataset, prior = anyio.run(_prepare, options, url, dump_dir)
-    failures_path = failures_path_for(options["out"])
+    failures_path = failures_path_for(local_side(options["out"]))
     with _progress_view(options["log_every"]) as view:
         try:
             summary = run_parallel_extraction(
@@ -406,7 +407,7 @@ def _extract_ray(options: dict[str, Any], servers: Path | None, address: str | N
         raise ConfigError("--ray needs --servers FILE (each server's url, dump_dir and node)")
     listed = read_server_nodes(servers)
     dataset, prior = _read_dataset(options, input_limits(listed[0][0]))
-    failures_path = failures_path_for(options["out"])
+    failures_path = failures_path_for(local_side(options["out"]))
     with _progress_view(options["log_every"]) as view:
         summary = run_ray_extraction(
             dataset.samples, servers=listed, store=options["out"], address=address,
@@ -463,7 +464,10 @@ def default_workers() -> int:
 @app.command(help=EXTRACT_HELP)
 def extract(
     dataset: Annotated[str, typer.Argument(help="JSONL dataset, or 'bundled' for the sample.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="The Zarr store to write (resumed).")],
+    out: Annotated[
+        str,
+        typer.Option("--out", "-o", help="The Zarr store to write (resumed): a path or s3:// URL."),
+    ],
     server_url: Annotated[
         str | None, typer.Option(help="A running server; none: start the reference server.")
     ] = None,
@@ -593,7 +597,7 @@ def _all_stored(options: dict[str, Any]) -> bool:
 
     path, store_path = options["dataset"], options["out"]
     try:
-        lines = _count_lines(path) if store_path.exists() else 0
+        lines = _count_lines(path) if store_may_exist(store_path) else 0
         if not lines:
             return False
         with open_store(store_path, "r") as store:
@@ -609,7 +613,7 @@ def _all_stored(options: dict[str, Any]) -> bool:
     except (OSError, HsdumpError):
         return False  # the run itself reports what is wrong
     if done:
-        failures_path_for(store_path).unlink(missing_ok=True)  # nothing failed
+        failures_path_for(local_side(store_path)).unlink(missing_ok=True)  # nothing failed
         console.print(
             f"done: nothing to extract, {store_path} holds all {len(dataset.samples)} samples of "
             f"{path} (no server started)",
@@ -691,7 +695,9 @@ def _block_stop_signals() -> set[signal.Signals]:
 
 
 @app.command("verify-store")
-def verify_store(store: Annotated[Path, typer.Argument(help="The Zarr store to check.")]) -> None:
+def verify_store(
+    store: Annotated[str, typer.Argument(help="The Zarr store to check (a path or s3:// URL).")],
+) -> None:
     """Re-read every committed sample and compare its checksum.
 
     \b
@@ -736,7 +742,7 @@ Example:
 
 @app.command("verify", help=VERIFY_HELP)
 def verify_model(
-    store: Annotated[Path, typer.Argument(metavar="STORE", help="The Zarr store to check.")],
+    store: Annotated[str, typer.Argument(metavar="STORE", help="The Zarr store to check.")],
     against: Annotated[
         Path, typer.Option(metavar="MODEL_DIR", help="Local transformers model the server ran.")
     ],
@@ -779,7 +785,7 @@ def verify_model(
 
 
 @app.command()
-def stats(store: Annotated[Path, typer.Argument(help="The Zarr store to summarise.")]) -> None:
+def stats(store: Annotated[str, typer.Argument(help="The Zarr store to summarise.")]) -> None:
     """The store's provenance, then a per-layer summary: count, mean, std, max |x|, non-finite.
 
     \b
@@ -811,7 +817,7 @@ def stats(store: Annotated[Path, typer.Argument(help="The Zarr store to summaris
 
 @app.command("export")
 def export(
-    store: Annotated[Path, typer.Argument(metavar="STORE", help="The Zarr store to export.")],
+    store: Annotated[str, typer.Argument(metavar="STORE", help="The Zarr store to export.")],
     destination: Annotated[
         Path, typer.Argument(metavar="OUT", help="The export directory (created, or resumed).")
     ],
