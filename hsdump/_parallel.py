@@ -476,17 +476,16 @@ def _share_budget(options: Mapping[str, Any], workers: int) -> dict[str, Any]:
 def _sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM stops the run like Ctrl-C, unless the caller handles SIGTERM already."""
     try:
-        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
-            yield
-            return
-        signal.signal(signal.SIGTERM, _interrupt)
+        installed = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        if installed:
+            signal.signal(signal.SIGTERM, _interrupt)
     except ValueError:  # not the main thread: signals are the main thread's business
-        yield
-        return
+        installed = False
     try:
-        yield
+        yield  # outside the try above: a ValueError of the run (a ConfigError) is not caught
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _interrupt(signum: int, frame: FrameType | None) -> None:
