@@ -27,7 +27,8 @@ class PluginConfig:
             comma-separated; id ``i`` is the input of decoder layer ``i``), or None for the
             model's EAGLE-3 default.
         rid_prefix: Only requests whose rid starts with this are dumped (``HSDUMP_RID_PREFIX``).
-        pinned_bytes: Size of the pinned host staging buffer (``HSDUMP_PINNED_MB``).
+        pinned_bytes: Size of the pinned host staging buffer (``HSDUMP_PINNED_MB``, default 4096:
+            one prefill batch of 8 prompts of 2048 tokens at H=7168 stages 940 MB).
         max_pending_bytes: Bound on bytes published but not yet consumed plus bytes being written
             (``HSDUMP_MAX_PENDING_MB``); the writer waits above it.
         min_free_bytes: Free space the dump root's filesystem keeps (``HSDUMP_MIN_FREE_MB``).
@@ -45,7 +46,7 @@ class PluginConfig:
     dump_dir: Path
     layer_ids: tuple[int, ...] | None = None
     rid_prefix: str = DEFAULT_RID_PREFIX
-    pinned_bytes: int = 1024 * _MIB
+    pinned_bytes: int = 4096 * _MIB
     max_pending_bytes: int = 16384 * _MIB
     min_free_bytes: int = 1024 * _MIB
     space_timeout_s: float = 600.0
@@ -68,7 +69,7 @@ def load_config() -> PluginConfig:
         dump_dir=Path(root),
         layer_ids=_layer_ids(os.environ.get("HSDUMP_LAYER_IDS", "")),
         rid_prefix=os.environ.get("HSDUMP_RID_PREFIX") or DEFAULT_RID_PREFIX,
-        pinned_bytes=_number("HSDUMP_PINNED_MB", 1024) * _MIB,
+        pinned_bytes=_number("HSDUMP_PINNED_MB", 4096) * _MIB,
         max_pending_bytes=_number("HSDUMP_MAX_PENDING_MB", 16384) * _MIB,
         min_free_bytes=_number("HSDUMP_MIN_FREE_MB", 1024) * _MIB,
         space_timeout_s=float(_number("HSDUMP_SPACE_TIMEOUT_S", 600)),

@@ -269,6 +269,28 @@ def test_the_next_groups_rows_are_written_while_an_earlier_group_is_still_writin
     assert_dump(tmp_path, b, rows(4, seed=1))
 
 
+def test_a_slow_publish_does_not_hold_the_next_request(dumper, tmp_path, monkeypatch) -> None:
+    release, published_b = threading.Event(), threading.Event()
+    real = DumpWriter.publish
+
+    def publish(self, meta):
+        if self.rid == "hsdump-a":
+            assert release.wait(10)
+        path = real(self, meta)
+        if self.rid == "hsdump-b":
+            published_b.set()
+        return path
+
+    monkeypatch.setattr(DumpWriter, "publish", publish)
+    d, a, b = dumper(write_threads=2), Req("hsdump-a", 4), Req("hsdump-b", 4)
+    d.on_forward(batch([a], [4], [0]), SimpleNamespace(hidden_states=rows(4)))
+    d.on_forward(batch([b], [4], [0]), SimpleNamespace(hidden_states=rows(4, seed=1)))
+    assert published_b.wait(10)  # while a's publish is held
+    release.set()
+    d.writer.drain()
+    assert_dump(tmp_path, a, rows(4))
+
+
 def test_an_error_for_a_request_whose_rows_are_being_written_publishes_only_the_error(
     dumper, tmp_path, held_writes, monkeypatch
 ) -> None:
