@@ -1,4 +1,4 @@
-"""The single entry point for checks: `nox -s tests`, `lint`, `mypy`, `bench`."""
+"""The single entry point for checks: `nox -s tests`, `lint`, `mypy`, `docs`, `bench`."""
 
 from __future__ import annotations
 
@@ -25,6 +25,32 @@ def lint(session: nox.Session) -> None:
     session.install("ruff==0.17.6")
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+
+
+# The documentation site's tools, pinned together: --strict fails on any warning, and a new release
+# of any of them can add one. ruff formats the API reference's signatures.
+DOCS = (
+    "mkdocs==1.6.1",
+    "mkdocs-material==9.8.2",
+    "mkdocstrings[python]==1.0.8",
+    "mkdocstrings-python==2.0.11",
+    "griffelib==2.4.1",
+    "mkdocs-autorefs==1.4.5",
+    "pymdown-extensions==13.1.2",
+    "markdown==3.11.3",
+    "ruff==0.17.6",
+)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation site into site/ (`-- --site-dir DIR` elsewhere); warnings fail it.
+
+    The API reference is read from the source by griffe, so neither hsdump nor torch is installed.
+    """
+    session.install(*DOCS)
+    site = session.posargs or ["--site-dir", "site"]
+    session.run("mkdocs", "build", "--strict", *site, env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session
