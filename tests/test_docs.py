@@ -45,4 +45,5 @@ def test_docs_pages_named_in_the_readme_and_the_code_exist() -> None:
         for page in re.findall(r"docs/[\w./-]+\.md", source.read_text())
     }
     assert named, "the README names docs pages"
-    assert [ref for ref in sorted(named) if not (ROOT / ref[1]).is_file()] == []
+    missing = [f"{source}: {page}" for source, page in sorted(named) if not (ROOT / page).is_file()]
+    assert not missing, f"these name docs pages that do not exist: {missing}"
