@@ -24,6 +24,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -98,7 +99,7 @@ def _run_guarded(job: Callable[[], int]) -> None:
     try:
         code = job()
     except HsdumpError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         code = EXIT_ERROR
     except KeyboardInterrupt as exc:  # a Stopped says which signal: 130 or 143
         console.print("[yellow]interrupted[/]: committed samples are kept; rerun to resume")
@@ -401,10 +402,11 @@ def _extract_ray(options: dict[str, Any], servers: Path | None, address: str | N
     """``--ray``: one actor per server of the servers file, each on its server's node."""
     from hsdump._exceptions import ConfigError
     from hsdump._pipeline import failures_path_for
-    from hsdump._ray import input_limits, run_ray_extraction
+    from hsdump._ray import input_limits, require_ray, run_ray_extraction
 
     if servers is None:
         raise ConfigError("--ray needs --servers FILE (each server's url, dump_dir and node)")
+    require_ray()
     listed = read_server_nodes(servers)
     dataset, prior = _read_dataset(options, input_limits(listed[0][0]))
     failures_path = failures_path_for(local_side(options["out"]))
