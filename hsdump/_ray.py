@@ -46,7 +46,7 @@ from hsdump._worker import STOP_GRACE_S
 if TYPE_CHECKING:
     from hsdump._inputs import InputLimits
 
-__all__ = ["NODE_RESOURCE", "input_limits", "run_ray_extraction"]
+__all__ = ["NODE_RESOURCE", "input_limits", "require_ray", "run_ray_extraction"]
 
 logger = logging.getLogger(__name__)
 
@@ -380,7 +380,8 @@ def _writer_gone(store: str, writer_id: str, timeout: float) -> bool:
 # -- Ray and its nodes ----------------------------------------------------------------------------
 
 
-def _import_ray() -> Any:
+def require_ray() -> Any:
+    """The ``ray`` module, or a :class:`ConfigError` saying how to install it."""
     try:
         import ray
     except ImportError as exc:
@@ -540,7 +541,7 @@ def run_ray_extraction(
             f"servers must be non-empty, concurrency and batch_tokens >= 1 and retries >= 0, "
             f"got {len(servers)} servers, {concurrency}, {batch_tokens}, {retries}"
         )
-    ray = _import_ray()
+    ray = require_ray()
     summary = ExtractionSummary(failures=list(prior_failures), workers=len(servers))
     path = _absolute(store)
     todo = _plan(samples, path, summary, line_numbers or {})

@@ -24,8 +24,8 @@ def test_core_names_are_exported() -> None:
         assert name in hsdump.__all__
 
 
-def test_import_pulls_in_neither_torch_nor_zarr_nor_httpx() -> None:
-    heavy = "('torch', 'zarr', 'httpx')"
+def test_import_pulls_in_neither_torch_nor_zarr_nor_httpx_nor_ray() -> None:
+    heavy = "('torch', 'zarr', 'httpx', 'ray')"
     code = f"import sys, hsdump; print(sorted(m for m in {heavy} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -1,0 +1,234 @@
+"""Extraction on a Ray cluster: three nodes on this machine, each with its own server and dump root.
+
+One cluster (``ray.cluster_utils.Cluster``, as Ray's own tests use) serves the module: a head and
+two nodes, each with one CPU, a 100 MB object store and a ``hsdump-node:n<i>`` resource that the
+servers list names. The servers are FakeServers on loopback, each dumping into its own root.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hsdump import ConfigError, Sample, WorkerError, run_parallel_extraction, run_ray_extraction
+from hsdump._store import open_store, verify_store
+from hsdump.testing import FakeServer
+
+ray = pytest.importorskip("ray")
+cluster_utils = pytest.importorskip("ray.cluster_utils")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+NODE = {"num_cpus": 1, "object_store_memory": 100 * 2**20}
+BATCH_TOKENS = 200  # about ten samples a batch: many batches for three actors
+
+
+def _samples(n: int, seed: int = 0) -> list[Sample]:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 40, (n,), generator=gen).tolist()
+    return [
+        Sample(f"s{i}", torch.randint(0, 500, (t,), generator=gen).tolist())
+        for i, t in enumerate(lengths)
+    ]
+
+
+SAMPLES = _samples(300)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    head = {**NODE, "include_dashboard": False, "resources": {"hsdump-node:n0": 1}}
+    nodes = cluster_utils.Cluster(initialize_head=True, head_node_args=head)
+    for i in (1, 2):
+        nodes.add_node(**NODE, resources={f"hsdump-node:n{i}": 1})
+    ray.init(address=nodes.address, log_to_driver=False)
+    try:
+        yield nodes
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+
+
+@pytest.fixture
+def servers(tmp_path: Path) -> Iterator[list[FakeServer]]:
+    with contextlib.ExitStack() as stack:
+        yield [
+            stack.enter_context(FakeServer(tmp_path / f"dumps{i}", hidden_size=16))
+            for i in range(3)
+        ]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[bytes, bytes, list]]:
+    """What one server stores for SAMPLES, in one process."""
+    root = tmp_path_factory.mktemp("reference")
+    with FakeServer(root / "dumps", hidden_size=16) as server:
+        summary = run_parallel_extraction(
+            SAMPLES, url=server.url, dump_dir=server.dump_dir, store=root / "one.zarr", workers=1
+        )
+    assert summary.ok
+    return _contents(root / "one.zarr")
+
+
+def _contents(store: Path) -> dict[str, tuple[bytes, bytes, list]]:
+    """Every sample's stored bits; the store holds each once."""
+    with open_store(store, "r") as opened:
+        assert not opened.duplicates
+        return {
+            sid: (hs.aux_hidden_states.view(torch.int16).numpy().tobytes(),
+                  hs.final_hidden_state.view(torch.int16).numpy().tobytes(), hs.input_ids.tolist())
+            for sid in opened
+            for hs in [opened[sid]]
+        }  # fmt: skip
+
+
+def _listing(servers: list[FakeServer], nodes: list[str | None]) -> list[tuple]:
+    return [(s.url, s.dump_dir, node) for s, node in zip(servers, nodes, strict=True)]
+
+
+def _run(servers: list[FakeServer], store: Path, samples: list[Sample], **options: Any) -> Any:
+    nodes = options.pop("nodes", ["n0", "n1", "n2"])
+    return run_ray_extraction(
+        samples, servers=_listing(servers, nodes), store=store, concurrency=2,
+        batch_tokens=BATCH_TOKENS, **options,
+    )  # fmt: skip
+
+
+def _served(server: FakeServer) -> int:
+    return sum(r.rid.startswith("hsdump-") for r in server.received)
+
+
+def _node_ids(nodes: Any) -> dict[str, str]:
+    """hsdump-node name -> Ray node id, for the cluster's live nodes."""
+    return {
+        resource.removeprefix("hsdump-node:"): n["NodeID"]
+        for n in ray.nodes()
+        if n["Alive"]
+        for resource in n["Resources"]
+        if resource.startswith("hsdump-node:")
+    }
+
+
+def test_three_nodes_store_what_one_server_stores(cluster, servers, reference, tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="hsdump._ray"):
+        summary = _run(servers, tmp_path / "s.zarr", SAMPLES)
+    assert summary.ok and summary.samples_done == len(SAMPLES) and summary.workers == 3
+    assert summary.tokens_done == sum(len(s.input_ids) for s in SAMPLES)
+    assert _contents(tmp_path / "s.zarr") == reference
+    assert all(_served(s) > 5 for s in servers)  # each server took a share of the batches
+    placed = {r.args[0]: r.args[1] for r in caplog.records if "runs on node" in r.getMessage()}
+    ids = _node_ids(cluster)
+    assert placed == {s.url: ids[f"n{i}"] for i, s in enumerate(servers)}
+    parts = sorted(p.name for p in (tmp_path / "s.zarr").glob("part-*"))
+    assert parts == ["part-ray-s0-a0", "part-ray-s1-a0", "part-ray-s2-a0"]
+    assert summary.cpu_s > 0 and summary.stages["ingest"] > 0
+    served = [_served(s) for s in servers]
+    rerun = _run(servers, tmp_path / "s.zarr", SAMPLES)
+    assert rerun.ok and rerun.samples_done == 0 and rerun.skipped == len(SAMPLES)
+    assert _contents(tmp_path / "s.zarr") == reference
+    assert [_served(s) for s in servers] == served  # no actor was even started
+
+
+def test_a_resumed_run_with_a_killed_actor_commits_each_sample_once(
+    cluster, servers, reference, tmp_path
+) -> None:
+    store, killed = tmp_path / "s.zarr", []
+    first = _run(servers, store, SAMPLES[:25])
+    parts, before = sorted(p.name for p in store.glob("part-*")), _served(servers[1])
+
+    def kill_one(summary) -> None:
+        if not killed and _served(servers[1]) >= before + 3:  # it has batches out
+            ray.kill(ray.get_actor("hsdump-ray-s1-0"))
+            killed.append(summary.samples_done)
+
+    for server in servers:
+        server.engine.latency = 0.01
+    summary = _run(servers, store, SAMPLES, progress=kill_one)
+    assert first.samples_done == 25 and killed and killed[0] < len(SAMPLES) - 25
+    assert summary.ok and (summary.samples_done, summary.skipped) == (len(SAMPLES) - 25, 25)
+    assert _contents(store) == reference
+    assert verify_store(store).clean
+    assert set(parts) <= {p.name for p in store.glob("part-*")}  # resumed: the same parts
+
+
+def test_a_removed_node_loses_nothing(cluster, servers, reference, tmp_path) -> None:
+    spare = cluster.add_node(**NODE, resources={"hsdump-node:spare": 1})
+    cluster.wait_for_nodes()
+    removed = []
+
+    def remove_spare(summary) -> None:
+        if not removed and _served(servers[2]) >= 3:
+            cluster.remove_node(spare)
+            removed.append(summary.samples_done)
+
+    for server in servers:
+        server.engine.latency = 0.01
+    summary = _run(
+        servers, tmp_path / "s.zarr", SAMPLES, nodes=["n0", "n1", "spare"], progress=remove_spare
+    )
+    assert removed and removed[0] < len(SAMPLES)
+    assert summary.ok and summary.samples_done == len(SAMPLES)
+    assert _contents(tmp_path / "s.zarr") == reference
+    assert verify_store(tmp_path / "s.zarr").clean
+
+
+def test_a_node_absent_from_the_cluster_is_named(cluster, servers, tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"server 3 .*node 'nowhere' is not a live node"):
+        _run(servers, tmp_path / "s.zarr", SAMPLES[:5], nodes=["n0", "n1", "nowhere"])
+    assert not (tmp_path / "s.zarr").exists()
+
+
+def test_every_actor_dead_is_one_hsdump_error(cluster, tmp_path) -> None:
+    listing = [("http://127.0.0.1:9", tmp_path / f"none{i}", f"n{i}") for i in range(3)]
+    with pytest.raises(WorkerError, match="every extraction actor is dead") as caught:
+        run_ray_extraction(SAMPLES[:5], servers=listing, store=tmp_path / "s.zarr")
+    assert "ServerNotDumping" in str(caught.value) or "ServerUnavailable" in str(caught.value)
+    assert not isinstance(caught.value, ray.exceptions.RayError)
+
+
+def test_without_ray_the_error_says_what_to_install(monkeypatch, servers, tmp_path) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` now fails as if not installed
+    with pytest.raises(ConfigError, match=r"pip install 'hsdump\[ray\]'"):
+        _run(servers, tmp_path / "s.zarr", SAMPLES[:5])
+
+
+def test_extract_ray_runs_a_servers_file_with_nodes(cluster, servers, tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from hsdump._cli import app
+
+    rows = [{"id": s.id, "input_ids": list(s.input_ids)} for s in SAMPLES[:30]]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    listing = [
+        {"url": s.url, "dump_dir": str(s.dump_dir), "node": f"n{i}"} for i, s in enumerate(servers)
+    ]
+    (tmp_path / "servers.json").write_text(json.dumps(listing))
+    args = ["extract", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "s.zarr"), "--servers"]
+    args += [str(tmp_path / "servers.json"), "--ray", "--ray-address", cluster.address]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert sorted(_contents(tmp_path / "s.zarr")) == sorted(r["id"] for r in rows)
+    assert "3 worker process(es)" in result.output
+
+
+def test_extract_ray_without_ray_installed_is_a_one_line_error(monkeypatch, tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from hsdump._cli import app
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    (tmp_path / "d.jsonl").write_text(json.dumps({"id": "a", "input_ids": [1]}) + "\n")
+    listing = [{"url": "http://127.0.0.1:9", "dump_dir": "/x", "node": "n0"}]
+    (tmp_path / "servers.json").write_text(json.dumps(listing))
+    args = ["extract", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "s.zarr"), "--servers"]
+    result = CliRunner().invoke(app, [*args, str(tmp_path / "servers.json"), "--ray"])
+    assert result.exit_code == 2 and "pip install 'hsdump[ray]'" in result.output
+    assert "Traceback" not in result.output
