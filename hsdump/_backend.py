@@ -6,14 +6,17 @@ import errno
 import fcntl
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
 from hsdump._codecs import torch_dtype_name
 from hsdump._exceptions import InputError, StoreCorruptedError, StoreError
+from hsdump._objstore import dependency_error, describe_url, is_url, open_s3, redact, s3_location
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     import zarr
 
     from hsdump._types import HiddenStates
@@ -22,6 +25,7 @@ __all__ = [
     "LAYOUT_KEY",
     "LOCK_DIR_SUFFIX",
     "ROOT_KEY",
+    "PartLock",
     "check_tensors",
     "child_groups",
     "describe",
@@ -57,14 +61,41 @@ _LEGACY_LOCK_FILE = ".hsdump-writer.lock"  # inside the part, before the locks m
 
 
 def describe(path: Any) -> str:
-    return str(path) if isinstance(path, (str, os.PathLike)) else type(path).__name__
+    """How messages name a store: its path, its URL without credentials, or its store type."""
+    if is_url(path):
+        return describe_url(path)
+    if isinstance(path, (str, os.PathLike)):
+        return str(path)
+    location = s3_location(path)
+    return location.url if location is not None else type(path).__name__
 
 
-def open_root(path: Any, mode: Mode) -> zarr.Group:
-    import zarr
+def _store_of(path: Any, mode: Mode, storage_options: Mapping[str, Any] | None) -> Any:
     from zarr.storage import LocalStore
 
-    store = LocalStore(os.fspath(path), read_only=mode == "r") if _is_local(path) else path
+    if is_url(path):
+        return open_s3(path, storage_options, read_only=mode == "r")
+    if storage_options:
+        from hsdump._exceptions import ConfigError
+
+        raise ConfigError(
+            f"storage_options apply to s3:// URLs only, not to {describe(path)}: leave them out"
+        )
+    return LocalStore(os.fspath(path), read_only=mode == "r") if _is_local(path) else path
+
+
+def open_root(
+    path: Any, mode: Mode, storage_options: Mapping[str, Any] | None = None
+) -> zarr.Group:
+    """The store's root group, created for mode ``"a"``/``"w"`` when missing.
+
+    Raises:
+        StoreError: Missing (``"r"``), existing (``"w"``), not an hsdump store, or unreachable.
+        StoreCorruptedError: The root's ``zarr.json`` does not decode.
+    """
+    import zarr
+
+    store = _store_of(path, mode, storage_options)
     where = describe(path)
     try:
         root = zarr.open_group(store=store, mode="r")
@@ -80,6 +111,8 @@ def open_root(path: Any, mode: Mode) -> zarr.Group:
     except OSError as exc:
         raise os_error(exc, where) from exc
     except Exception as exc:  # zarr raises anything from TypeError to JSONDecodeError
+        if (failed := dependency_error(exc, where, store=store)) is not None:
+            raise failed from exc
         raise StoreCorruptedError(
             f"{where}/zarr.json is damaged: cannot decode: {type(exc).__name__}: {exc}. Restore "
             'it from a backup, or write it anew: {"zarr_format": 3, "node_type": "group", '
@@ -134,12 +167,15 @@ def _is_local(path: Any) -> bool:
 
 
 def os_error(exc: OSError, where: str) -> StoreError:
+    """hsdump's error for an OS (or S3) error on the store at ``where``."""
+    if (failed := dependency_error(exc, where)) is not None:
+        return failed
     if exc.errno == errno.ENOSPC:
         return StoreError(
             f"no space left on the device of {where}: free space and rerun; committed samples "
             "are safe and the rerun resumes after them"
         )
-    return StoreError(f"I/O error on the store at {where}: {exc}")
+    return StoreError(f"I/O error on the store at {where}: {redact(str(exc))}")
 
 
 def check_tensors(hs: HiddenStates) -> str:
@@ -206,11 +242,49 @@ def lock_dir(root: zarr.Group) -> Path | None:
     return store.parent / f"{store.name}{LOCK_DIR_SUFFIX}"
 
 
-def lock_part(root: zarr.Group, name: str, where: str) -> list[int]:
-    """Hold an exclusive lock on a local part while it is open; the OS frees it if we die.
+class PartLock(Protocol):
+    """A writer's hold on one part: a local file lock, an S3 lease, or nothing."""
 
-    Returns the descriptors to close on release (none for a store that is not local).
+    def check(self) -> None:
+        """Raise :class:`StoreError` if the part may no longer be committed to."""
+
+    def release(self) -> None:
+        """Let the part go (idempotent)."""
+
+
+class _FileLock:
+    """``flock`` on open descriptors (none: a store hsdump cannot lock, such as a zarr
+    ``MemoryStore``, where distinct writer ids are up to the caller); the OS frees them if the
+    process dies."""
+
+    def __init__(self, fds: list[int]) -> None:
+        self._fds = fds
+
+    def check(self) -> None:
+        return None
+
+    def release(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+
+def lock_part(root: zarr.Group, name: str, where: str, writer_id: str = "") -> PartLock:
+    """Hold the part exclusively while it is open: a file lock beside a local store, a lease
+    object beside an S3 store (:mod:`hsdump._lease`), nothing for other stores.
+
+    Raises:
+        StoreError: Another live writer holds the part.
     """
+    if s3_location(root.store) is not None:
+        from hsdump._lease import Lease
+
+        return Lease.acquire(root.store, name, writer_id or name, where)
+    return _FileLock(_lock_local(root, name, where))
+
+
+def _lock_local(root: zarr.Group, name: str, where: str) -> list[int]:
+    """The descriptors holding a local part's locks (none for a store that is not local)."""
     local, locks = local_dir(root), lock_dir(root)
     if local is None or locks is None:
         return []

@@ -47,12 +47,13 @@ logger = logging.getLogger(__name__)
 
 # Bucket names as S3 accepts them for new buckets (3-63 characters, no uppercase or '_').
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_SECRET_OPTIONS = ("key", "secret", "token", "aws_access_key_id", "aws_secret_access_key")
-_SECRET_OPTIONS += ("aws_session_token", "password")
+_SECRET_OPTIONS = {"key", "secret", "token", "password"}
+_SECRET_OPTIONS |= {"aws_access_key_id", "aws_secret_access_key", "aws_session_token"}
 _SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 _DEPENDENCIES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec")
 # Values from storage_options seen by this process: never printed, whatever carries them.
 _secrets: set[str] = set()
+_filesystems: dict[tuple[Any, ...], Any] = {}
 
 
 @dataclass(frozen=True)
@@ -145,27 +146,47 @@ def _remember_secrets(options: Mapping[str, Any]) -> None:
 def open_s3(url: str, storage_options: Mapping[str, Any] | None, *, read_only: bool) -> FsspecStore:
     """zarr's ``FsspecStore`` for an ``s3://`` URL, its bucket checked (see :func:`check_bucket`).
 
-    Listings are never cached (other writers add parts), and each store gets its own
-    filesystem object, so the environment is read when the store is opened.
+    Listings are never cached (other writers add parts).
     """
     location = parse_s3_url(url)
     try:
-        import s3fs  # noqa: F401  (zarr finds it through fsspec; imported to name the extra)
         from zarr.storage import FsspecStore
+    except ImportError as exc:  # pragma: no cover - zarr needs fsspec for FsspecStore
+        raise ConfigError(
+            f"{location.url}: s3:// stores need fsspec: pip install 'hsdump[s3]'"
+        ) from exc
+    options = {"use_listings_cache": False, **(storage_options or {})}
+    _remember_secrets(options)
+    path = f"{location.bucket}/{location.prefix}".rstrip("/")
+    store = FsspecStore(_filesystem(options, location), read_only=read_only, path=path)
+    check_bucket(store, location)
+    return store
+
+
+def _filesystem(options: dict[str, Any], location: S3Location) -> Any:
+    """One s3fs filesystem per process, options and AWS environment.
+
+    fsspec's own instance cache would keep a filesystem made under other AWS_* variables, and
+    one per store would leave an HTTP session per store open.
+    """
+    try:
+        import s3fs
     except ImportError as exc:
         raise ConfigError(
             f"{location.url}: s3:// stores need s3fs: pip install 'hsdump[s3]'"
         ) from exc
-    options = {"use_listings_cache": False, "skip_instance_cache": True, **(storage_options or {})}
-    _remember_secrets(options)
-    try:
-        store = FsspecStore.from_url(location.url, storage_options=options, read_only=read_only)
-    except (TypeError, ValueError) as exc:  # s3fs refuses an unknown or ill-typed option
-        raise ConfigError(
-            f"storage_options for {location.url} were refused: {redact(str(exc))}"
-        ) from exc
-    check_bucket(store, location)
-    return store
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_")))
+    token = (os.getpid(), repr(sorted(options.items())), env)
+    fs = _filesystems.get(token)
+    if fs is None:
+        try:
+            fs = s3fs.S3FileSystem(asynchronous=True, skip_instance_cache=True, **options)
+        except (TypeError, ValueError) as exc:  # s3fs refuses an unknown or ill-typed option
+            raise ConfigError(
+                f"storage_options for {location.url} were refused: {redact(str(exc))}"
+            ) from exc
+        _filesystems[token] = fs
+    return fs
 
 
 def s3_location(store: Any) -> S3Location | None:
@@ -188,6 +209,15 @@ def check_bucket(store: Any, location: S3Location) -> None:
     """Fail early, clearly, when the bucket is missing, forbidden or the endpoint unreachable."""
     try:
         call_s3(store, "head_bucket", Bucket=location.bucket)
+    except FileNotFoundError as exc:  # HEAD has no body: S3 says only "404 Not Found"
+        raise StoreError(
+            f"the bucket of {location.url} does not exist at {endpoint(store)}: create it "
+            f"(`aws s3 mb s3://{location.bucket}`), or check the URL and AWS_ENDPOINT_URL"
+        ) from exc
+    except TypeError as exc:  # the client was made with an option botocore does not take
+        raise ConfigError(
+            f"storage_options for {location.url} were refused: {redact(str(exc))}"
+        ) from exc
     except Exception as exc:
         raise dependency_error(exc, location.url, store=store) or _unexpected(
             exc, location.url
@@ -220,11 +250,6 @@ def dependency_error(exc: BaseException, where: str, *, store: Any = None) -> St
         return None
     text = redact(str(exc))
     at = endpoint(store)
-    if isinstance(exc, FileNotFoundError) and "bucket" in text.lower():
-        return StoreError(
-            f"the bucket of {where} does not exist at {at}: create it (`aws s3 mb "
-            f"s3://{where[5:].partition('/')[0]}`), or check the URL and AWS_ENDPOINT_URL"
-        )
     if isinstance(exc, PermissionError) or name in (
         "NoCredentialsError",
         "PartialCredentialsError",

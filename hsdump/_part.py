@@ -29,6 +29,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -223,8 +224,17 @@ def shard_writers() -> int:
 class PartWriter:
     """Appends samples to one part. Not thread-safe: the store serialises calls."""
 
-    def __init__(self, group: zarr.Group, index: PartIndex, *, on_commit: Any, where: str) -> None:
+    def __init__(
+        self,
+        group: zarr.Group,
+        index: PartIndex,
+        *,
+        on_commit: Any,
+        where: str,
+        guard: Callable[[], None] | None = None,
+    ) -> None:
         self.group = group
+        self._guard = guard
         self.index = index
         self._where = where
         self._on_commit = on_commit
@@ -457,7 +467,10 @@ class PartWriter:
                 "index_crc": extend_index_checksum(covered, rows, sids, tokens),
             }
         )
-        # The commit point: one atomic rewrite of the part's zarr.json.
+        # The commit point: one atomic rewrite of the part's zarr.json (a rename on a local disk,
+        # one PUT on S3), only while this writer still holds the part's lock or lease.
+        if self._guard is not None:
+            self._guard()
         self.group.update_attributes(state_attributes(STATE_KEY, new_state.model_dump(mode="json")))
         self.index.state = new_state
         self.index.sample_ids.extend(sids)

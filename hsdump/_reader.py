@@ -10,7 +10,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from hsdump._codecs import bits_dtype, bits_to_tensor
-from hsdump._exceptions import StoreCorruptedError
+from hsdump._exceptions import StoreCorruptedError, StoreError
+from hsdump._objstore import dependency_error
 
 if TYPE_CHECKING:
     import zarr
@@ -105,6 +106,8 @@ class PartReader:
         try:
             bits, ids, mask = self.read_raw(row)
         except Exception as exc:  # any decode failure means the bytes are damaged
+            if (failed := dependency_error(exc, self._where)) is not None:
+                raise failed from exc  # S3 or the network failed: nothing says they are
             return f"cannot decode: {type(exc).__name__}: {exc}"
         crc = zlib.crc32(ids.data, zlib.crc32(np.ascontiguousarray(bits).data))
         if mask is not None:
@@ -126,6 +129,8 @@ class PartReader:
         except StoreCorruptedError as exc:  # damaged metadata: the message names the file
             raise StoreCorruptedError(str(exc), sample_id=sid) from exc
         except Exception as exc:
+            if (failed := dependency_error(exc, where)) is not None:
+                raise StoreError(str(failed), sample_id=sid) from exc
             raise _corrupted(sid, self.index.name, where, f"{type(exc).__name__}: {exc}") from exc
         state = self.index.state
         assert state.layout is not None and state.provenance is not None

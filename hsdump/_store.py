@@ -16,13 +16,14 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from hsdump._backend import (
     Mode,
+    PartLock,
     check_tensors,
     child_groups,
     describe,
@@ -49,6 +50,7 @@ from hsdump._integrity import (
     sample_token_digest,
     state_attributes,
 )
+from hsdump._objstore import abort_uploads, dependency_error
 from hsdump._part import (
     PART_PREFIX,
     STATE_KEY,
@@ -86,11 +88,13 @@ def open_store(
     shard_tokens: int = DEFAULT_SHARD_TOKENS,
     chunk_tokens: int | None = None,
     verify_reads: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> HiddenStateStore:
     """Open (or create) a hidden-state store.
 
     Args:
-        path: A local directory, a URL zarr understands (``s3://...``), or a zarr ``Store``.
+        path: A local directory, an ``s3://bucket/prefix`` URL (see docs/object-storage.md), or
+            a zarr ``Store``.
         mode: ``"r"`` read only; ``"a"`` create or append, resuming this writer's part;
             ``"w"`` create a new store, refused if one already exists at ``path``.
         writer_id: Names this writer's part (default ``"default"``). A rerun with the same id
@@ -101,6 +105,9 @@ def open_store(
         chunk_tokens: Tokens per compressed chunk (default: a power of two giving ~2 MiB
             chunks). Every sample starts on a chunk boundary.
         verify_reads: Recompute each sample's checksum when it is read.
+        storage_options: For ``s3://`` URLs: s3fs options (``endpoint_url``, ``profile``,
+            ``key``/``secret``, ``client_kwargs``...); credentials and the endpoint otherwise
+            come from the AWS environment variables and config files. Never logged.
 
     Returns:
         The open store; close it (or use it as a context manager) to commit buffered samples.
@@ -115,7 +122,7 @@ def open_store(
         raise ConfigError(
             f"shard_tokens and chunk_tokens must be positive, got {shard_tokens}, {chunk_tokens}"
         )
-    root = open_root(path, mode)
+    root = open_root(path, mode, storage_options)
     return HiddenStateStore(
         root,
         mode=mode,
@@ -171,7 +178,7 @@ class HiddenStateStore:
         self._chunk_tokens = chunk_tokens
         self._verify_reads = verify_reads
         self._lock = threading.RLock()
-        self._lock_fds: list[int] = []
+        self._part_lock: PartLock | None = None
         self._closed = False
         self._failed: BaseException | None = None
         self._writer: PartWriter | None = None
@@ -256,29 +263,48 @@ class HiddenStateStore:
         name = PART_PREFIX + writer_id
         try:
             group = self._root.require_group(name)
-            self._lock_fds = lock_part(self._root, name, self.where)
+            self._part_lock = lock_part(self._root, name, self.where, writer_id)
+            writer = self._resume_part(group, name, writer_id, self._part_lock)
+        except BaseException:
+            if self._part_lock is not None:
+                self._part_lock.release()
+            raise
+        self._readers[name] = PartReader(self._root, writer.index, where=self.where)
+        self._cleanup_partials(name)
+        return writer
+
+    def _resume_part(
+        self, group: zarr.Group, name: str, writer_id: str, lock: PartLock
+    ) -> PartWriter:
+        try:
             if STATE_KEY not in group.attrs:
                 state = PartState(writer_id=writer_id).model_dump(mode="json")
                 group.update_attributes(state_attributes(STATE_KEY, state))
             index = load_part_index(group, name, self.where)
             if COMMITTED_SAMPLES_KEY not in group.attrs:  # last committed before they existed
                 group.update_attributes(committed_counts(index.state.model_dump()))
-            writer = PartWriter(group, index, on_commit=self._on_commit, where=self.where)
+            return PartWriter(
+                group, index, on_commit=self._on_commit, where=self.where, guard=lock.check
+            )
         except OSError as exc:
             raise os_error(exc, self.where) from exc
         except HsdumpError:
             raise
         except Exception as exc:  # zarr could not decode the part's arrays to resume them
+            if (failed := dependency_error(exc, self.where)) is not None:
+                raise failed from exc
             raise damaged(
                 f"{self.where}/{name}", f"cannot resume it: {type(exc).__name__}: {exc}"
             ) from exc
-        self._readers[name] = PartReader(self._root, index, where=self.where)
-        self._cleanup_partials(name)
-        return writer
 
     def _cleanup_partials(self, name: str) -> None:
         local = local_dir(self._root)
         if local is None:
+            # On S3 a write is one atomic PUT; a killed multipart upload is invisible but billed.
+            try:
+                abort_uploads(self._root.store, name)
+            except Exception as exc:
+                logger.warning("could not abort unfinished uploads of %s: %r", name, exc)
             return
         # A killed write (ours or zarr's) leaves its temp file; the key itself was never replaced.
         for leftover in (local / name).rglob(f"*{PARTIAL_SUFFIX}"):
@@ -337,6 +363,8 @@ class HiddenStateStore:
             raise os_error(exc, self.where) from exc
         except BaseException as exc:
             self._failed = exc
+            if isinstance(exc, Exception) and (failed := dependency_error(exc, self.where)):
+                raise failed from exc
             raise
 
     def _write_locked(self, writer: PartWriter, hs: HiddenStates) -> None:
@@ -430,9 +458,9 @@ class HiddenStateStore:
                     self._writer.abandon()
             finally:
                 self._closed = True
-                for fd in self._lock_fds:
-                    os.close(fd)
-                self._lock_fds = []
+                if self._part_lock is not None:
+                    self._part_lock.release()
+                    self._part_lock = None
 
     async def aclose(self) -> None:
         """Async :meth:`close`."""

@@ -1,6 +1,7 @@
 """A writer process for crash tests, and the deterministic samples it writes.
 
-Run as ``python store_crash_writer.py PATH N WRITER_ID STRIDE OFFSET``: it writes samples
+Run as ``python store_crash_writer.py PATH N WRITER_ID STRIDE OFFSET`` (PATH a directory or an
+``s3://`` URL, whose endpoint and credentials come from the AWS variables): it writes samples
 ``OFFSET, OFFSET + STRIDE, ...`` below N with ``if_exists="skip"``, prints ``wrote <i>`` after each,
 closes the store and prints ``END <number actually written>``.
 """
@@ -37,10 +38,13 @@ def make_sample(i: int, *, hidden: int = HIDDEN, layers: list[int] | None = None
     return HiddenStates(f"s{i}", ids, aux, final, list(layers), mask)
 
 
-def open_test_store(path: str, mode: str = "a", writer_id: str | None = None):  # type: ignore[no-untyped-def]
-    """The store geometry every crash test uses: small shards, so kills land in every state."""
+def open_test_store(path: str, mode: str = "a", writer_id: str | None = None, **kw):  # type: ignore[no-untyped-def]
+    """The store geometry every crash test uses: small shards, so kills land in every state.
+
+    ``path`` may be an ``s3://`` URL; ``kw`` goes to ``open_store`` (``storage_options``).
+    """
     return open_store(
-        path, mode, writer_id=writer_id, shard_tokens=SHARD_TOKENS, chunk_tokens=CHUNK_TOKENS
+        path, mode, writer_id=writer_id, shard_tokens=SHARD_TOKENS, chunk_tokens=CHUNK_TOKENS, **kw
     )  # type: ignore[arg-type]
 
 
