@@ -70,3 +70,4 @@ def bench(session: nox.Session) -> None:
     flags = [arg for arg in session.posargs if arg in ("--quick", "--strict")]
     session.run("python", "benchmarks/bench_store.py", *flags)
     session.run("python", "benchmarks/bench_pipeline.py", *flags)
+    session.run("python", "benchmarks/bench_scale.py", *flags)
