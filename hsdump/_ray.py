@@ -20,6 +20,8 @@ committed there), reads the store, and puts the samples of its batches that are 
 back at the front of the queue; the actor is started again on its node (a few times at most),
 and a server whose node is gone is left out. The store is the one truth of what is committed,
 as in :mod:`hsdump._parallel`, so each sample is committed once, also over reruns.
+
+docs/multinode.md has the recipe: SGLang on N nodes, ``ray start``, the servers file.
 """
 
 from __future__ import annotations
