@@ -127,7 +127,29 @@ def _store_part(source: str, dest: str, index: int, workers: int, barrier, resul
     results.put((t0, time.monotonic(), sum(hs.num_tokens for hs in states)))
 
 
-def store_alone(source: str, where: Path, workers: int) -> float:
+_LOADING = ("__getitem__", "ShardIO.read", "_decode", "open_store (")
+
+
+def spy_summary(raw: Path, top: int = 25) -> list[str]:
+    """The busiest (thread, leaf function) pairs of a py-spy raw record, as lines."""
+    import collections
+
+    counts: collections.Counter[tuple[str, str]] = collections.Counter()
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if any(part in stack for part in _LOADING):
+            continue  # the untimed load of the process's share
+        frames = stack.split(";")
+        thread = frames[0].split(": ", 1)[-1].rstrip("_0123456789")
+        leaf = ";".join(f.split(" (")[0] for f in frames[-2:])
+        counts[(thread, leaf)] += int(n)
+    total = sum(counts.values()) or 1
+    return [f"{100 * n / total:5.1f}% {t} {leaf}" for (t, leaf), n in counts.most_common(top)]
+
+
+def store_alone(
+    source: str, where: Path, workers: int, spy: str = "", out: Path | None = None
+) -> float:
     dest = where / "kimi-store-alone.zarr"
     shutil.rmtree(dest, ignore_errors=True)
     ctx = multiprocessing.get_context("spawn")
@@ -138,7 +160,18 @@ def store_alone(source: str, where: Path, workers: int) -> float:
     ]
     for p in procs:
         p.start()
+    recorder = None
+    if spy and out is not None:
+        raw = out / f"spy-store-{workers}.txt"
+        cmd = [spy, "record", "--pid", str(procs[0].pid), "--rate", "100",
+               "--format", "raw", "--threads", "--idle", "-o", str(raw)]  # fmt: skip
+        recorder = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     got = [results.get(timeout=600) for _ in procs]
+    if recorder is not None and out is not None:
+        recorder.wait()
+        if raw.exists():
+            print(f"py-spy of one store-alone process ({workers} processes):", flush=True)
+            print("\n".join(spy_summary(raw)), flush=True)
     for p in procs:
         p.join()
     shutil.rmtree(dest, ignore_errors=True)
@@ -171,6 +204,7 @@ def main() -> None:
     p.add_argument("--concs", default="1,8,32")
     p.add_argument("--spy", default="", help="py-spy binary: record the server during dump-only")
     p.add_argument("--sweep-workers", default="", help="e.g. 2,4,8: only extract rows on /dev/shm")
+    p.add_argument("--store-workers", default="", help="e.g. 1,2,4,8: store-alone rows on /dev/shm")
     args = p.parse_args()
     concs = [int(c) for c in args.concs.split(",")]
     args.disk.mkdir(parents=True, exist_ok=True)
@@ -228,6 +262,12 @@ def main() -> None:
     log(args.out, row="ceiling", what="stored fraction", value=round(stored_fraction, 3))
     ceiling_disk = min(disk / stored_fraction, codec) * 1e9 / ROW_BYTES
     ceiling_shm = codec * 1e9 / ROW_BYTES
+    for workers in (int(w) for w in args.store_workers.split(",") if w):
+        rate = store_alone(source, shm, workers, args.spy, args.out)
+        log(
+            args.out, row="store alone sweep", on="shm", workers=workers, tok_per_s=round(rate),
+            ceiling_tok_per_s=round(ceiling_shm), ratio=round(rate / ceiling_shm, 3),
+        )  # fmt: skip
     for where, label, ceiling in ((args.disk, "disk", ceiling_disk), (shm, "shm", ceiling_shm)):
         rate = store_alone(source, where, args.workers)
         results[f"store-{label}"] = rate
