@@ -228,6 +228,17 @@ def test_a_second_writer_of_one_part_is_refused_naming_the_lease_and_its_holder(
     open_test_store(url, writer_id="w0").close()  # released on close
 
 
+def test_a_lease_is_created_only_where_none_exists(url: str) -> None:
+    """The server refuses the create (If-None-Match: *) of a second lease object."""
+    from hsdump._lease import Lease
+
+    with open_test_store(url, writer_id="w0") as store:
+        held: Any = store._part_lock
+        rival = Lease(store._root.store, held._key, held.url, held._holder, "")
+        assert not rival._try(url, IfNoneMatch="*")
+        assert rival._try(url, IfMatch=held._etag)  # the takeover of a lease that is as read
+
+
 def _foreign_lease(ttl_s: float) -> bytes:
     holder = {
         "owner": "f" * 32, "writer_id": "w0", "host": "node-elsewhere", "machine": "elsewhere",
