@@ -402,7 +402,8 @@ def _extract_ray(options: dict[str, Any], servers: Path | None, address: str | N
     """``--ray``: one actor per server of the servers file, each on its server's node."""
     from hsdump._exceptions import ConfigError
     from hsdump._pipeline import failures_path_for
-    from hsdump._ray import input_limits, require_ray, run_ray_extraction
+    from hsdump._ray import run_ray_extraction
+    from hsdump._raycluster import input_limits, require_ray
 
     if servers is None:
         raise ConfigError("--ray needs --servers FILE (each server's url, dump_dir and node)")

@@ -27,38 +27,31 @@ docs/multinode.md has the recipe: SGLang on N nodes, ``ray start``, the servers 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
-import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hsdump._exceptions import ConfigError, HsdumpError, WorkerError
 from hsdump._parallel import _plan, _sigterm_as_interrupt
 from hsdump._pipeline import ExtractionSummary, Failure, ProgressCallback, _FailureLog
 from hsdump._rayactor import ActorSpec, BatchResult, ExtractionActor
+from hsdump._raycluster import ServerEntry, connected, require_ray, resolve_nodes, writer_gone
 from hsdump._types import Sample
 from hsdump._worker import STOP_GRACE_S
 
-if TYPE_CHECKING:
-    from hsdump._inputs import InputLimits
-
-__all__ = ["NODE_RESOURCE", "input_limits", "require_ray", "run_ray_extraction"]
+__all__ = ["run_ray_extraction"]
 
 logger = logging.getLogger(__name__)
 
-NODE_RESOURCE = "hsdump-node:"
 _MAX_RESTARTS = 3
 _CREDIT = 2  # batches out per actor: the next one is queued there while one finishes
 _ADDITIVE = ("samples_done", "tokens_done", "bytes_raw", "retries", "skipped")
 _TOTALS = ("bytes_stored", "store_bytes_raw", "cpu_s")
-
-ServerEntry = tuple[str, "str | os.PathLike[str] | None", "str | None"]
 
 
 @dataclass(eq=False)
@@ -225,7 +218,7 @@ class _RayRun:
 
     def _resolve(self, actor: _Actor, leased: list[Sample]) -> None:
         """Count what the dead actor committed; the rest goes back to the queue."""
-        if actor.writer_id and not _writer_gone(self.store, actor.writer_id, self.grace_s):
+        if actor.writer_id and not writer_gone(self.store, actor.writer_id, self.grace_s):
             logger.warning(
                 "part %s of %s is still locked %.0f s after its actor died: %d samples are left "
                 "for a rerun, so that none is committed twice",
@@ -354,122 +347,6 @@ def _reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
-def _writer_gone(store: str, writer_id: str, timeout: float) -> bool:
-    """Whether the part's writer lock is free within ``timeout`` s (its process is gone)."""
-    from hsdump._backend import LOCK_DIR_SUFFIX
-    from hsdump._part import PART_PREFIX
-
-    root = Path(store).resolve()
-    lock = root.parent / f"{root.name}{LOCK_DIR_SUFFIX}" / f"{PART_PREFIX}{writer_id}.lock"
-    try:
-        fd = os.open(lock, os.O_RDWR)
-    except FileNotFoundError:
-        return True  # not a local store, or the part never opened
-    freed = threading.Event()
-
-    def take() -> None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # blocks until the dead writer's lock is released
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
-        freed.set()
-
-    threading.Thread(target=take, name=f"hsdump-fence-{writer_id}", daemon=True).start()
-    return freed.wait(timeout)
-
-
-# -- Ray and its nodes ----------------------------------------------------------------------------
-
-
-def require_ray() -> Any:
-    """The ``ray`` module, or a :class:`ConfigError` saying how to install it."""
-    try:
-        import ray
-    except ImportError as exc:
-        raise ConfigError(
-            f"extraction on a Ray cluster needs Ray, which is not installed ({exc}): "
-            "pip install 'hsdump[ray]'"
-        ) from exc
-    return ray
-
-
-@contextlib.contextmanager
-def _connected(ray: Any, address: str | None) -> Iterator[None]:
-    """Joins the cluster at ``address`` (unless already joined), and leaves it at the end."""
-    if ray.is_initialized():
-        yield
-        return
-    try:
-        ray.init(address=address, logging_level=logging.WARNING)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise ConfigError(
-            f"cannot join the Ray cluster at {address or 'RAY_ADDRESS or this node'}: {exc}. "
-            "Start it with `ray start --head` (then `ray start --address HEAD:6379` on the other "
-            "nodes) and pass its address"
-        ) from exc
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
-def resolve_nodes(ray: Any, servers: Sequence[ServerEntry]) -> list[str]:
-    """The Ray node id of each server's ``node``; this process's node where none is named."""
-    alive = [n for n in ray.nodes() if n["Alive"]]
-    here = ray.get_runtime_context().get_node_id()
-    return [
-        here if node is None else _find_node(node, f"server {i} ({url})", alive)
-        for i, (url, _, node) in enumerate(servers, 1)
-    ]
-
-
-def _find_node(name: str, server: str, alive: list[dict[str, Any]]) -> str:
-    rules = (
-        ("node id", lambda n: n["NodeID"] == name),
-        ("resource", lambda n: f"{NODE_RESOURCE}{name}" in n["Resources"]),
-        ("host", lambda n: name in (n["NodeManagerAddress"], n["NodeManagerHostname"])),
-    )
-    for what, rule in rules:
-        found = [str(n["NodeID"]) for n in alive if rule(n)]
-        if len(found) == 1:
-            return found[0]
-        if found:
-            raise ConfigError(
-                f"{server}: node {name!r} matches {len(found)} live Ray nodes by {what} "
-                f"({', '.join(found)}): name one by its node id, or give each node its own "
-                f"resource at `ray start --resources '{{\"{NODE_RESOURCE}NAME\": 1}}'`"
-            )
-    listed = ", ".join(_describe(n) for n in alive) or "none"
-    raise ConfigError(
-        f"{server}: node {name!r} is not a live node of the Ray cluster (live nodes: {listed}). "
-        "Start Ray on it (`ray start --address HEAD:6379`) or correct the servers file's node"
-    )
-
-
-def _describe(node: Mapping[str, Any]) -> str:
-    names = [
-        r.removeprefix(NODE_RESOURCE) for r in node["Resources"] if r.startswith(NODE_RESOURCE)
-    ]
-    return f"{node['NodeManagerAddress']} {node['NodeID'][:12]}" + "".join(f" {r}" for r in names)
-
-
-def input_limits(url: str) -> InputLimits:
-    """The input limits the server at ``url`` reports (none are checked if it cannot say)."""
-    import httpx
-
-    from hsdump._inputs import InputLimits
-
-    try:
-        response = httpx.get(f"{url.rstrip('/')}/server_info", timeout=30.0)
-        response.raise_for_status()
-        info = response.json()
-    except (httpx.HTTPError, ValueError) as exc:
-        logger.warning("cannot read %s/server_info (%s): dataset lines are checked later", url, exc)
-        return InputLimits()
-    return InputLimits.from_server_info(info if isinstance(info, dict) else {})
-
-
 def _absolute(store: str | os.PathLike[str]) -> str:
     """A local store's absolute path: the actors do not run in this process's directory."""
     text = os.fspath(store)
@@ -562,7 +439,7 @@ def run_ray_extraction(
         for failure in [*prior_failures, *planned]:
             log.record(failure)
         if todo and not (fail_fast and summary.failures):
-            with _connected(ray, address):
+            with connected(ray, address):
                 nodes = resolve_nodes(ray, servers)
                 runner = _RayRun(
                     ray, specs, nodes, todo, summary=summary, log=log, line_numbers=line_numbers,

@@ -10,15 +10,26 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
-from hsdump import ConfigError, Sample, WorkerError, run_parallel_extraction, run_ray_extraction
+from hsdump import (
+    ConfigError,
+    HiddenStateClient,
+    Sample,
+    WorkerError,
+    run_extraction,
+    run_parallel_extraction,
+    run_ray_extraction,
+)
+from hsdump._raycluster import writer_gone
 from hsdump._store import open_store, verify_store
 from hsdump.testing import FakeServer
 
@@ -102,6 +113,13 @@ def _run(servers: list[FakeServer], store: Path, samples: list[Sample], **option
     )  # fmt: skip
 
 
+async def _seed(server: FakeServer, store: Path, samples: list[Sample]) -> None:
+    """Store ``samples`` in this process, as an earlier run would have."""
+    async with HiddenStateClient(server.url, dump_dir=server.dump_dir) as client:
+        with open_store(store, "a", writer_id="earlier") as opened:
+            assert (await run_extraction(samples, client=client, store=opened)).ok
+
+
 def _served(server: FakeServer) -> int:
     return sum(r.rid.startswith("hsdump-") for r in server.received)
 
@@ -141,8 +159,8 @@ def test_a_resumed_run_with_a_killed_actor_commits_each_sample_once(
     cluster, servers, reference, tmp_path
 ) -> None:
     store, killed = tmp_path / "s.zarr", []
-    first = _run(servers, store, SAMPLES[:25])
-    parts, before = sorted(p.name for p in store.glob("part-*")), _served(servers[1])
+    anyio.run(_seed, servers[0], store, SAMPLES[:25])  # an earlier run's part
+    before = _served(servers[1])
 
     def kill_one(summary) -> None:
         if not killed and _served(servers[1]) >= before + 3:  # it has batches out
@@ -152,11 +170,10 @@ def test_a_resumed_run_with_a_killed_actor_commits_each_sample_once(
     for server in servers:
         server.engine.latency = 0.01
     summary = _run(servers, store, SAMPLES, progress=kill_one)
-    assert first.samples_done == 25 and killed and killed[0] < len(SAMPLES) - 25
+    assert killed and killed[0] < len(SAMPLES) - 25
     assert summary.ok and (summary.samples_done, summary.skipped) == (len(SAMPLES) - 25, 25)
     assert _contents(store) == reference
     assert verify_store(store).clean
-    assert set(parts) <= {p.name for p in store.glob("part-*")}  # resumed: the same parts
 
 
 def test_a_removed_node_loses_nothing(cluster, servers, reference, tmp_path) -> None:
@@ -232,3 +249,23 @@ def test_extract_ray_without_ray_installed_is_a_one_line_error(monkeypatch, tmp_
     result = CliRunner().invoke(app, [*args, str(tmp_path / "servers.json"), "--ray"])
     assert result.exit_code == 2 and "pip install 'hsdump[ray]'" in result.output
     assert "Traceback" not in result.output
+
+
+def test_a_dead_writers_part_is_known_free_only_once_its_process_is_gone(tmp_path) -> None:
+    store = tmp_path / "s.zarr"
+    code = (
+        "import sys; from hsdump import open_store; "
+        f"s = open_store({str(store)!r}, 'a', writer_id='ray-s0-a0'); print('open', flush=True); "
+        "sys.stdin.read()"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as holder:
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == "open\n"
+            assert not writer_gone(str(store), "ray-s0-a0", timeout=0.2)
+            assert writer_gone(str(store), "ray-s0-a1", timeout=0.2)  # a part nobody opened
+            holder.kill()
+            assert writer_gone(str(store), "ray-s0-a0", timeout=30)
+        finally:
+            holder.kill()

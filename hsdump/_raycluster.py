@@ -1,0 +1,155 @@
+"""The Ray cluster side of :mod:`hsdump._ray`: joining it, finding the servers' nodes, fences.
+
+Ray is imported here only when a run asks for it (:func:`require_ray`), so ``import hsdump``
+never imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from hsdump._exceptions import ConfigError
+
+if TYPE_CHECKING:
+    from hsdump._inputs import InputLimits
+
+__all__ = [
+    "NODE_RESOURCE",
+    "ServerEntry",
+    "connected",
+    "input_limits",
+    "require_ray",
+    "resolve_nodes",
+    "writer_gone",
+]
+
+logger = logging.getLogger(__name__)
+
+NODE_RESOURCE = "hsdump-node:"
+
+ServerEntry = tuple[str, "str | os.PathLike[str] | None", "str | None"]
+
+
+def writer_gone(store: str, writer_id: str, timeout: float) -> bool:
+    """Whether the part's writer lock is free within ``timeout`` s (its process is gone)."""
+    from hsdump._backend import LOCK_DIR_SUFFIX
+    from hsdump._part import PART_PREFIX
+
+    if "://" in store:
+        return True  # object storage: its parts are leased, with no lock to wait for here
+    root = Path(store).resolve()
+    lock = root.parent / f"{root.name}{LOCK_DIR_SUFFIX}" / f"{PART_PREFIX}{writer_id}.lock"
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:
+        return True  # not a local store, or the part never opened
+    freed = threading.Event()
+
+    def take() -> None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # blocks until the dead writer's lock is released
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+        freed.set()
+
+    threading.Thread(target=take, name=f"hsdump-fence-{writer_id}", daemon=True).start()
+    return freed.wait(timeout)
+
+
+# -- Ray and its nodes ----------------------------------------------------------------------------
+
+
+def require_ray() -> Any:
+    """The ``ray`` module, or a :class:`ConfigError` saying how to install it."""
+    try:
+        import ray
+    except ImportError as exc:
+        raise ConfigError(
+            f"extraction on a Ray cluster needs Ray, which is not installed ({exc}): "
+            "pip install 'hsdump[ray]'"
+        ) from exc
+    return ray
+
+
+@contextlib.contextmanager
+def connected(ray: Any, address: str | None) -> Iterator[None]:
+    """Joins the cluster at ``address`` (unless already joined), and leaves it at the end."""
+    if ray.is_initialized():
+        yield
+        return
+    try:
+        ray.init(address=address, logging_level=logging.WARNING)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise ConfigError(
+            f"cannot join the Ray cluster at {address or 'RAY_ADDRESS or this node'}: {exc}. "
+            "Start it with `ray start --head` (then `ray start --address HEAD:6379` on the other "
+            "nodes) and pass its address"
+        ) from exc
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def resolve_nodes(ray: Any, servers: Sequence[ServerEntry]) -> list[str]:
+    """The Ray node id of each server's ``node``; this process's node where none is named."""
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    here = ray.get_runtime_context().get_node_id()
+    return [
+        here if node is None else _find_node(node, f"server {i} ({url})", alive)
+        for i, (url, _, node) in enumerate(servers, 1)
+    ]
+
+
+def _find_node(name: str, server: str, alive: list[dict[str, Any]]) -> str:
+    rules = (
+        ("node id", lambda n: n["NodeID"] == name),
+        ("resource", lambda n: f"{NODE_RESOURCE}{name}" in n["Resources"]),
+        ("host", lambda n: name in (n["NodeManagerAddress"], n["NodeManagerHostname"])),
+    )
+    for what, rule in rules:
+        found = [str(n["NodeID"]) for n in alive if rule(n)]
+        if len(found) == 1:
+            return found[0]
+        if found:
+            raise ConfigError(
+                f"{server}: node {name!r} matches {len(found)} live Ray nodes by {what} "
+                f"({', '.join(found)}): name one by its node id, or give each node its own "
+                f"resource at `ray start --resources '{{\"{NODE_RESOURCE}NAME\": 1}}'`"
+            )
+    listed = ", ".join(_describe(n) for n in alive) or "none"
+    raise ConfigError(
+        f"{server}: node {name!r} is not a live node of the Ray cluster (live nodes: {listed}). "
+        "Start Ray on it (`ray start --address HEAD:6379`) or correct the servers file's node"
+    )
+
+
+def _describe(node: Mapping[str, Any]) -> str:
+    names = [
+        r.removeprefix(NODE_RESOURCE) for r in node["Resources"] if r.startswith(NODE_RESOURCE)
+    ]
+    return f"{node['NodeManagerAddress']} {node['NodeID'][:12]}" + "".join(f" {r}" for r in names)
+
+
+def input_limits(url: str) -> InputLimits:
+    """The input limits the server at ``url`` reports (none are checked if it cannot say)."""
+    import httpx
+
+    from hsdump._inputs import InputLimits
+
+    try:
+        response = httpx.get(f"{url.rstrip('/')}/server_info", timeout=30.0)
+        response.raise_for_status()
+        info = response.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        logger.warning("cannot read %s/server_info (%s): dataset lines are checked later", url, exc)
+        return InputLimits()
+    return InputLimits.from_server_info(info if isinstance(info, dict) else {})
