@@ -288,22 +288,17 @@ class _RayRun:
         return list(ready)
 
     def _stop(self) -> None:
-        """Interrupted: cancel the batches out (each commits what it wrote), count, close."""
+        """Interrupted: the actors finish the samples in flight and commit, then close."""
         self.stopping = True
         self.pending.clear()
+        for actor in self._live():
+            if actor.writer_id is not None:
+                with contextlib.suppress(Exception):  # a dead actor: its batches fail below
+                    actor.handle.stop.remote()
         out = [ref for ref, (_, kind) in self.calls.items() if kind == "extract"]
-        for ref in out:
-            with contextlib.suppress(Exception):
-                self.ray.cancel(ref)
-        with contextlib.suppress(Exception):
-            self._wait_all(out)
-            committed = self._committed_ids()
-            for actor in self._live():
-                done = [s for batch in actor.out.values() for s in batch if s.id in committed]
-                self.closed["samples_done"] += len(done)
-                self.closed["tokens_done"] += sum(len(s.input_ids) for s in done)
-                actor.out = {}
-            self._close_all()
+        for ref in self._wait_all(out):
+            self._settle(ref)
+        self._close_all()
 
     def _kill_all(self) -> None:
         for actor in self.actors:

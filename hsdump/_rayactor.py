@@ -16,6 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
+from anyio.streams.memory import MemoryObjectReceiveStream
+
 from hsdump._exceptions import HsdumpError, StoreError
 from hsdump._pipeline import (
     ExtractionSummary,
@@ -93,6 +96,7 @@ class ExtractionActor:
         self._store: Any = None
         self._start: dict[str, Any] = {}
         self._store_write_s = 0.0
+        self._feeds: set[MemoryObjectReceiveStream[Sample]] = set()
 
     async def open(self) -> BatchResult:
         """Open the client and the first free store part; report the part or why it failed."""
@@ -141,15 +145,32 @@ class ExtractionActor:
 
     async def extract(self, batch: list[Sample]) -> BatchResult:
         """Extract and commit ``batch``; committed when this returns."""
+        send, feed = anyio.create_memory_object_stream[Sample](len(batch))
+        with send:
+            for sample in batch:
+                send.send_nowait(sample)
+        self._feeds.add(feed)
         try:
             summary = await run_extraction(
-                batch, client=self._client, store=self._store, retries=self.spec.retries,
+                feed, client=self._client, store=self._store, retries=self.spec.retries,
                 concurrency=self.spec.concurrency, fail_fast=self.spec.fail_fast,
             )  # fmt: skip
         except HsdumpError as exc:  # the store refused a write: no later batch would fare better
             return BatchResult(error=type(exc).__name__, message=str(exc), totals=self._totals())
+        finally:
+            self._feeds.discard(feed)
         self._store_write_s += summary.stages.get("store_write", 0.0)
         return BatchResult.of(summary, self._totals())
+
+    async def stop(self) -> None:
+        """Drop the samples not started yet: the batches out finish those in flight and commit.
+
+        No request is cut off, so no dump is left behind in the server's dump root.
+        """
+        for feed in self._feeds:
+            with contextlib.suppress(anyio.WouldBlock, anyio.EndOfStream):
+                while True:
+                    feed.receive_nowait()
 
     async def close(self) -> BatchResult:
         """Flush and close the store part and the client; the final totals."""

@@ -269,3 +269,24 @@ def test_a_dead_writers_part_is_known_free_only_once_its_process_is_gone(tmp_pat
             assert writer_gone(str(store), "ray-s0-a0", timeout=30)
         finally:
             holder.kill()
+
+
+def test_an_interrupted_run_keeps_what_it_committed_and_leaves_no_actor(
+    cluster, servers, tmp_path
+) -> None:
+    def interrupt(summary) -> None:
+        if summary.samples_done >= 30:
+            raise KeyboardInterrupt
+
+    for server in servers:
+        server.engine.latency = 0.01
+    with pytest.raises(KeyboardInterrupt):
+        _run(servers, tmp_path / "s.zarr", SAMPLES, progress=interrupt)
+    stored = _contents(tmp_path / "s.zarr")
+    assert 30 <= len(stored) < len(SAMPLES) and verify_store(tmp_path / "s.zarr").clean
+    assert ray.util.list_named_actors() == []
+    assert [_dumps_left(s) for s in servers] == [[], [], []]  # each actor closed its client
+
+
+def _dumps_left(server: FakeServer) -> list[str]:
+    return sorted(p.name for p in server.dump_dir.iterdir() if p.name.startswith(("req_", ".tmp")))
