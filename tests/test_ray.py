@@ -26,7 +26,6 @@ from hsdump import (
     Sample,
     WorkerError,
     run_extraction,
-    run_parallel_extraction,
     run_ray_extraction,
 )
 from hsdump._raycluster import writer_gone
@@ -79,13 +78,10 @@ def servers(tmp_path: Path) -> Iterator[list[FakeServer]]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[bytes, bytes, list]]:
-    """What one server stores for SAMPLES, in one process."""
+    """What one server stores for SAMPLES, in this process."""
     root = tmp_path_factory.mktemp("reference")
     with FakeServer(root / "dumps", hidden_size=16) as server:
-        summary = run_parallel_extraction(
-            SAMPLES, url=server.url, dump_dir=server.dump_dir, store=root / "one.zarr", workers=1
-        )
-    assert summary.ok
+        anyio.run(_seed, server, root / "one.zarr", SAMPLES)
     return _contents(root / "one.zarr")
 
 
