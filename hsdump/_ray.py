@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -91,6 +92,7 @@ class _RayRun:
         self._ready = False
         self._skipped_at_start = self.summary.skipped
         self._reported = 0.0
+        self.token = secrets.token_hex(3)
 
     def run(self) -> None:
         try:
@@ -116,7 +118,9 @@ class _RayRun:
         node = self.nodes[server]
         strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
         spec = replace(self.specs[server], attempt=attempt)
-        name = f"hsdump-{spec.part}-{attempt}"  # so that an operator can find it (ray.get_actor)
+        # Named so that its log lines and `ray.get_actor` find it; the run's token keeps a name
+        # free while Ray is still retiring the actor of the run before.
+        name = f"hsdump-{spec.part}-{attempt}-{self.token}"
         handle = self.remote.options(name=name, scheduling_strategy=strategy).remote(spec)
         actor = _Actor(server, node, handle, attempt, restarts)
         self.actors.append(actor)
@@ -145,6 +149,11 @@ class _RayRun:
         return batch
 
     def _wait_once(self) -> None:
+        if not self.calls:  # no actor is opening or extracting: none is left to take the rest
+            raise WorkerError(
+                f"no extraction actor is left for the {len(self.pending)} samples not extracted; "
+                "committed samples are kept: rerun to resume"
+            )
         ready, _ = self.ray.wait(list(self.calls), num_returns=1, timeout=1.0)
         for ref in ready:
             self._settle(ref)

@@ -160,7 +160,8 @@ def test_a_resumed_run_with_a_killed_actor_commits_each_sample_once(
 
     def kill_one(summary) -> None:
         if not killed and _served(servers[1]) >= before + 3:  # it has batches out
-            ray.kill(ray.get_actor("hsdump-ray-s1-0"))
+            (name,) = [n for n in ray.util.list_named_actors() if n.startswith("hsdump-ray-s1-0-")]
+            ray.kill(ray.get_actor(name))
             killed.append(summary.samples_done)
 
     for server in servers:
