@@ -38,6 +38,11 @@ _SHUFFLE = {"shuffle": 1, "bitshuffle": 2, "noshuffle": 0}
 @cache
 def codec_pool() -> ThreadPoolExecutor:
     """The process-wide pool for codec and statistics work (one thread per core it may use)."""
+    import numcodecs.blosc
+
+    # Without this, Blosc on a thread other than the main one may take its global context and
+    # lock: the pool's encodes then ran one at a time (1.0 core busy on 2 threads).
+    numcodecs.blosc.use_threads = False
     return ThreadPoolExecutor(max_workers=max(2, cores()), thread_name_prefix="hsdump-codec")
 
 
