@@ -12,6 +12,7 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -103,10 +104,8 @@ def _listing(servers: list[FakeServer], nodes: list[str | None]) -> list[tuple]:
 
 def _run(servers: list[FakeServer], store: Path, samples: list[Sample], **options: Any) -> Any:
     nodes = options.pop("nodes", ["n0", "n1", "n2"])
-    return run_ray_extraction(
-        samples, servers=_listing(servers, nodes), store=store, concurrency=2,
-        batch_tokens=BATCH_TOKENS, **options,
-    )  # fmt: skip
+    options = {"concurrency": 2, "batch_tokens": BATCH_TOKENS, **options}
+    return run_ray_extraction(samples, servers=_listing(servers, nodes), store=store, **options)
 
 
 async def _seed(server: FakeServer, store: Path, samples: list[Sample]) -> None:
@@ -151,44 +150,61 @@ def test_three_nodes_store_what_one_server_stores(cluster, servers, reference, t
     assert [_served(s) for s in servers] == served  # no actor was even started
 
 
+def _after_requests(
+    servers: list[FakeServer], count: int, action: Any
+) -> list[tuple[int, threading.Thread]]:
+    """Run ``action(i)`` in a thread once server ``i`` is the first to get ``count`` more samples.
+
+    The request that reaches the count is in flight then: its actor has a batch out.
+    """
+    fired: list[tuple[int, threading.Thread]] = []
+    for i, server in enumerate(servers):
+        generate, seen = server.engine.generate, [0]
+
+        async def counting(request: Any, i: int = i, generate: Any = generate, seen=seen) -> Any:
+            seen[0] += request.rid.startswith("hsdump-")
+            if seen[0] == count and not fired:
+                fired.append((i, threading.Thread(target=action, args=(i,))))
+                fired[0][1].start()
+            return await generate(request)
+
+        server.engine.generate = counting
+    return fired
+
+
 def test_a_resumed_run_with_a_killed_actor_commits_each_sample_once(
     cluster, servers, reference, tmp_path
 ) -> None:
-    store, killed = tmp_path / "s.zarr", []
+    store = tmp_path / "s.zarr"
     anyio.run(_seed, servers[0], store, SAMPLES[:25])  # an earlier run's part
-    before = _served(servers[1])
 
-    def kill_one(summary) -> None:
-        if not killed and _served(servers[1]) >= before + 3:  # it has batches out
-            (name,) = [n for n in ray.util.list_named_actors() if n.startswith("hsdump-ray-s1-0-")]
-            ray.kill(ray.get_actor(name))
-            killed.append(summary.samples_done)
+    def kill(i: int) -> None:
+        (name,) = [n for n in ray.util.list_named_actors() if n.startswith(f"hsdump-ray-s{i}-0-")]
+        ray.kill(ray.get_actor(name))
 
     for server in servers:
         server.engine.latency = 0.01
-    summary = _run(servers, store, SAMPLES, progress=kill_one)
-    assert killed and killed[0] < len(SAMPLES) - 25
+    killed = _after_requests(servers, 30, kill)
+    # Big batches in small shards: the killed actor has committed part of the batch it dies in.
+    summary = _run(servers, store, SAMPLES, batch_tokens=1500, store_options={"shard_tokens": 128})
+    ((victim, thread),) = killed
+    thread.join()
     assert summary.ok and (summary.samples_done, summary.skipped) == (len(SAMPLES) - 25, 25)
     assert _contents(store) == reference
     assert verify_store(store).clean
+    with open_store(store, "r") as opened:
+        parts = {opened.locate(sid)[0] for sid in opened}
+    assert f"part-ray-s{victim}-a0" in parts  # it committed before it died
 
 
 def test_a_removed_node_loses_nothing(cluster, servers, reference, tmp_path) -> None:
     spare = cluster.add_node(**NODE, resources={"hsdump-node:spare": 1})
     cluster.wait_for_nodes()
-    removed = []
-
-    def remove_spare(summary) -> None:
-        if not removed and _served(servers[2]) >= 3:
-            cluster.remove_node(spare)
-            removed.append(summary.samples_done)
-
     for server in servers:
         server.engine.latency = 0.01
-    summary = _run(
-        servers, tmp_path / "s.zarr", SAMPLES, nodes=["n0", "n1", "spare"], progress=remove_spare
-    )
-    assert removed and removed[0] < len(SAMPLES)
+    removed = _after_requests(servers[2:], 30, lambda _: cluster.remove_node(spare))
+    summary = _run(servers, tmp_path / "s.zarr", SAMPLES, nodes=["n0", "n1", "spare"])
+    removed[0][1].join()
     assert summary.ok and summary.samples_done == len(SAMPLES)
     assert _contents(tmp_path / "s.zarr") == reference
     assert verify_store(tmp_path / "s.zarr").clean
