@@ -141,7 +141,7 @@ class _RayRun:
                 self.calls[ref] = (actor, "extract")
 
     def _next_batch(self) -> list[Sample]:
-        batch, tokens = [self.pending.popleft()], 0
+        batch = [self.pending.popleft()]
         tokens = len(batch[0].input_ids)
         while self.pending and tokens + len(self.pending[0].input_ids) <= self.batch_tokens:
             tokens += len(self.pending[0].input_ids)
@@ -182,9 +182,10 @@ class _RayRun:
                 self._ready = True
                 self.summary.started = time.monotonic()  # rates exclude the actors' start-up
         else:
-            self._add(result, actor.out.pop(ref))
+            del actor.out[ref]  # committed
+            self._add(result)
 
-    def _add(self, result: BatchResult, batch: list[Sample]) -> None:
+    def _add(self, result: BatchResult) -> None:
         for name in _ADDITIVE:
             self.closed[name] += getattr(result, name)
         for failure in result.failures:
@@ -346,9 +347,11 @@ class _RayRun:
 
 
 def _reason(exc: BaseException) -> str:
-    """The first line of a Ray error: its type and what Ray says, without the traceback."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+    """One line for a Ray error: what the actor raised, or what Ray says, without a traceback."""
+    cause = getattr(exc, "cause", None)  # a RayTaskError's original exception
+    shown = cause if isinstance(cause, BaseException) else exc
+    text = str(shown).strip().splitlines()
+    return f"{type(shown).__name__}: {text[0] if text else ''}"
 
 
 def _absolute(store: str | os.PathLike[str]) -> str:
