@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import signal
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -85,6 +86,7 @@ def connected(ray: Any, address: str | None) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
+    previous = signal.getsignal(signal.SIGTERM)
     try:
         ray.init(address=address, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -93,6 +95,10 @@ def connected(ray: Any, address: str | None) -> Iterator[None]:
             "Start it with `ray start --head` (then `ray start --address HEAD:6379` on the other "
             "nodes) and pass its address"
         ) from exc
+    # ray.init replaces the SIGTERM handler with one that exits at once: keep the caller's,
+    # which stops the run gracefully (the actors commit what is in flight).
+    with contextlib.suppress(ValueError, TypeError):  # not the main thread; a handler set in C
+        signal.signal(signal.SIGTERM, previous)
     try:
         yield
     finally:

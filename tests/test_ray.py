@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import signal
 import subprocess
 import sys
 import threading
@@ -29,7 +30,7 @@ from hsdump import (
     run_extraction,
     run_ray_extraction,
 )
-from hsdump._raycluster import writer_gone
+from hsdump._raycluster import connected, writer_gone
 from hsdump._store import open_store, verify_store
 from hsdump.testing import FakeServer
 
@@ -60,11 +61,12 @@ def cluster() -> Iterator[Any]:
     nodes = cluster_utils.Cluster(initialize_head=True, head_node_args=head)
     for i in (1, 2):
         nodes.add_node(**NODE, resources={f"hsdump-node:n{i}": 1})
-    ray.init(address=nodes.address, log_to_driver=False)
+    handler = signal.getsignal(signal.SIGTERM)
     try:
-        yield nodes
+        with connected(ray, nodes.address):  # as run_ray_extraction joins a cluster
+            assert signal.getsignal(signal.SIGTERM) is handler  # a graceful stop stays in charge
+            yield nodes
     finally:
-        ray.shutdown()
         nodes.shutdown()
 
 
