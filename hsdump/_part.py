@@ -213,12 +213,15 @@ class _Pending:
 
 
 def shard_writers() -> int:
-    """Full shards written at once: one per four cores, 1 to 4.
+    """Full shards written at once: one per two cores, 2 to 8.
 
-    Encoding a shard runs on the codec pool, but writing it is serial; with one shard in flight,
-    16 cores kept the pool busy less than half the time. Each one holds a shard buffer in RAM.
+    Encoding a shard runs on the codec pool, but writing it is serial, and a sample waits for
+    the oldest shard in flight. One process storing H=7168 samples on an H200 host
+    (``tests/gpu/store_probe.py``): on 16 cores 4 writers 28.0k tok/s, 8 33.6k, 16 29.9k; on 8
+    cores 4 writers 21.7k, 8 18.9k. With one writer (2 cores) the pool idled while each shard was
+    written. Each one holds a shard buffer in RAM (235 MB at H=7168).
     """
-    return max(1, min(4, cores() // 4))
+    return max(2, min(8, cores() // 2))
 
 
 class PartWriter:
