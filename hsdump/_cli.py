@@ -30,7 +30,7 @@ from rich.table import Table
 
 from hsdump._exceptions import HsdumpError
 from hsdump._objstore import local_side, store_may_exist
-from hsdump._signals import GracefulStop
+from hsdump._signals import GracefulStop, Stopped
 
 __all__ = ["app", "main"]
 
@@ -398,7 +398,9 @@ def _extract_parallel(options: dict[str, Any], url: str, dump_dir: Path | None) 
     return EXIT_OK if summary.ok else EXIT_FAILURES
 
 
-def _extract_ray(options: dict[str, Any], servers: Path | None, address: str | None) -> int:
+def _extract_ray(
+    options: dict[str, Any], servers: Path | None, address: str | None, stop: GracefulStop
+) -> int:
     """``--ray``: one actor per server of the servers file, each on its server's node."""
     from hsdump._exceptions import ConfigError
     from hsdump._pipeline import failures_path_for
@@ -412,14 +414,19 @@ def _extract_ray(options: dict[str, Any], servers: Path | None, address: str | N
     dataset, prior = _read_dataset(options, input_limits(listed[0][0]))
     failures_path = failures_path_for(local_side(options["out"]))
     with _progress_view(options["log_every"]) as view:
-        summary = run_ray_extraction(
-            dataset.samples, servers=listed, store=options["out"], address=address,
-            writer_id=options["writer_id"], concurrency=options["concurrency"],
-            retries=options["retries"], fail_fast=options["fail_fast"],
-            failures_path=failures_path, progress=view, line_numbers=dataset.line_numbers,
-            prior_failures=prior, client_options=_client_options(options),
-            store_options=_store_options(options),
-        )  # fmt: skip
+        try:
+            summary = run_ray_extraction(
+                dataset.samples, servers=listed, store=options["out"], address=address,
+                writer_id=options["writer_id"], concurrency=options["concurrency"],
+                retries=options["retries"], fail_fast=options["fail_fast"],
+                failures_path=failures_path, progress=view, line_numbers=dataset.line_numbers,
+                prior_failures=prior, client_options=_client_options(options),
+                store_options=_store_options(options),
+            )  # fmt: skip
+        except KeyboardInterrupt as exc:
+            if stop.signum is None or isinstance(exc, Stopped):
+                raise
+            raise Stopped(stop.signum) from exc  # Ray's calls raise a new, plain one
     _print_summary(summary, failures_path, fail_fast=options["fail_fast"])
     return EXIT_OK if summary.ok else EXIT_FAILURES
 
@@ -577,8 +584,8 @@ def extract(
         if _all_stored(options):
             return EXIT_OK
         if ray:
-            with GracefulStop():
-                return _extract_ray(options, servers, ray_address)
+            with GracefulStop() as stop:
+                return _extract_ray(options, servers, ray_address, stop)
         if servers is not None:
             options["servers"] = read_servers(servers)
             with GracefulStop():

@@ -80,7 +80,9 @@ class _RayRun:
         self.progress: ProgressCallback | None = options["progress"]
         self.store: str = options["store"]
         self.fail_fast: bool = options["fail_fast"]
-        self.batch_tokens: int = options["batch_tokens"]
+        # Smaller batches for a small dataset, so that every actor gets a share of it.
+        share = -(-self.summary.tokens_total // (len(specs) * _CREDIT * 4))
+        self.batch_tokens: int = max(1, min(options["batch_tokens"], share))
         self.grace_s: float = options["writer_grace_s"]
         self.calls: dict[Any, tuple[_Actor, str]] = {}
         self.actors: list[_Actor] = []
@@ -402,7 +404,8 @@ def run_ray_extraction(
         concurrency: Requests at each server at once.
         retries: Retries of a sample after a transient failure.
         fail_fast: Stop at the first failure.
-        batch_tokens: Tokens per batch handed to an actor (at least one sample); each batch
+        batch_tokens: The most tokens per batch handed to an actor (at least one sample;
+            fewer when the dataset is small, so that every actor gets a share); each batch
             ends with a commit.
         writer_grace_s: How long to wait for a dead actor's part lock to be released before its
             uncommitted samples are redone (after that they are left for a rerun).
