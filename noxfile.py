@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import nox
 
 nox.options.sessions = ["lint", "tests"]
@@ -11,11 +13,20 @@ nox.options.reuse_existing_virtualenvs = True
 INSTALL = ("-c", "constraints.txt", "-e", ".[test]")
 
 
-@nox.session
+def _install_here(session: nox.Session) -> None:
+    """Install the package and its test tools into the interpreter that runs nox.
+
+    The README's commands make one ``.venv`` and run nox from it; a second environment of nox's
+    own would install torch again (2.4 GB, ~3 minutes before the first test).
+    """
+    session.run(sys.executable, "-m", "pip", "install", "-q", *INSTALL, external=True)
+
+
+@nox.session(venv_backend="none")
 def tests(session: nox.Session) -> None:
-    """Run the test suite (CPU only; the GPU script lives in tests/gpu/)."""
-    session.install(*INSTALL)
-    session.run("pytest", *session.posargs)
+    """Run the test suite in nox's own environment (CPU only; the GPU script is tests/gpu/)."""
+    _install_here(session)
+    session.run(sys.executable, "-m", "pytest", *session.posargs, external=True)
 
 
 @nox.session
@@ -53,21 +64,21 @@ def docs(session: nox.Session) -> None:
     session.run("mkdocs", "build", "--strict", *site, env={"NO_MKDOCS_2_WARNING": "1"})
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def mypy(session: nox.Session) -> None:
     """Type-check the package."""
-    session.install(*INSTALL, "mypy>=1.10")
-    session.run("mypy")
+    _install_here(session)
+    session.run(sys.executable, "-m", "pip", "install", "-q", "mypy>=1.10", external=True)
+    session.run(sys.executable, "-m", "mypy", external=True)
 
 
-@nox.session
+@nox.session(venv_backend="none")
 def bench(session: nox.Session) -> None:
     """Benchmarks: each prints its figures, the target, and the command that reproduces it.
 
     `nox -s bench -- --quick` for short runs; `-- --strict` fails the session on a missed target.
     """
-    session.install(*INSTALL)
+    _install_here(session)
     flags = [arg for arg in session.posargs if arg in ("--quick", "--strict")]
-    session.run("python", "benchmarks/bench_store.py", *flags)
-    session.run("python", "benchmarks/bench_pipeline.py", *flags)
-    session.run("python", "benchmarks/bench_scale.py", *flags)
+    for script in ("bench_store.py", "bench_pipeline.py", "bench_scale.py"):
+        session.run(sys.executable, f"benchmarks/{script}", *flags, external=True)
