@@ -42,8 +42,8 @@ import httpx
 import numpy as np
 
 from hsdump import HiddenStateClient, InotifyWatcher, PollingWatcher, Sample, open_store
-from hsdump._pipeline import run_extraction
 from hsdump._protocol import request_dir
+from hsdump._run.pipeline import run_extraction
 from hsdump.testing import FakeServer, publish
 
 CMD = "python benchmarks/bench_pipeline.py"

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hsdump._store import DEFAULT_SHARD_TOKENS, open_store
+from hsdump._store.store import DEFAULT_SHARD_TOKENS, open_store
 from hsdump._types import HiddenStates
 
 K, LAYER_STD = 3, (0.6, 0.63, 0.56, 0.27)  # per-layer std of real activations (MiniLM, see notes)
@@ -209,7 +209,7 @@ def files_at_real_scale(shard_tokens: int, chunk_tokens: int) -> int:
 
 
 def layout_files(tokens: int, n: int, shard_tokens: int) -> int:
-    from hsdump._part import _IDS_CHUNK_SHARDS, _INDEX_CHUNK
+    from hsdump._store.part import _IDS_CHUNK_SHARDS, _INDEX_CHUNK
 
     shards = math.ceil(tokens / shard_tokens)
     id_chunks = math.ceil(tokens / (shard_tokens * _IDS_CHUNK_SHARDS))

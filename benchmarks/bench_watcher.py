@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 from hsdump import DumpTimeout
+from hsdump._client.watcher import default_watcher
 from hsdump._protocol import request_dir
-from hsdump._watcher import default_watcher
 from hsdump.testing import publish
 
 CMD = "python benchmarks/bench_watcher.py"

@@ -41,38 +41,43 @@ from hsdump._exceptions import (
 from hsdump._types import HiddenStates, Sample
 
 if TYPE_CHECKING:
-    from hsdump._batching import LengthBucketSampler, pad_collate
-    from hsdump._client import HiddenStateClient
-    from hsdump._dataset import HiddenStateDataset
-    from hsdump._export import ExportSummary, export_store
-    from hsdump._parallel import run_parallel_extraction
-    from hsdump._pipeline import Backoff, ExtractionSummary, run_extraction
-    from hsdump._ray import run_ray_extraction
-    from hsdump._reference import ReferenceServer
-    from hsdump._store import HiddenStateStore, open_store
-    from hsdump._watcher import DumpWatcher, InotifyWatcher, PollingWatcher, WatchfilesWatcher
+    from hsdump._client.client import HiddenStateClient
+    from hsdump._client.watcher import (
+        DumpWatcher,
+        InotifyWatcher,
+        PollingWatcher,
+        WatchfilesWatcher,
+    )
+    from hsdump._run.dataset import HiddenStateDataset
+    from hsdump._run.parallel import run_parallel_extraction
+    from hsdump._run.pipeline import Backoff, ExtractionSummary, run_extraction
+    from hsdump._run.ray_driver import run_ray_extraction
+    from hsdump._servers.reference import ReferenceServer
+    from hsdump._store.store import HiddenStateStore, open_store
+    from hsdump._training.batching import LengthBucketSampler, pad_collate
+    from hsdump._training.export import ExportSummary, export_store
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Backoff": "hsdump._pipeline",
-    "ExportSummary": "hsdump._export",
-    "ExtractionSummary": "hsdump._pipeline",
-    "DumpWatcher": "hsdump._watcher",
-    "HiddenStateClient": "hsdump._client",
-    "HiddenStateDataset": "hsdump._dataset",
-    "HiddenStateStore": "hsdump._store",
-    "InotifyWatcher": "hsdump._watcher",
-    "LengthBucketSampler": "hsdump._batching",
-    "PollingWatcher": "hsdump._watcher",
-    "ReferenceServer": "hsdump._reference",
-    "WatchfilesWatcher": "hsdump._watcher",
-    "export_store": "hsdump._export",
-    "open_store": "hsdump._store",
-    "pad_collate": "hsdump._batching",
-    "run_extraction": "hsdump._pipeline",
-    "run_parallel_extraction": "hsdump._parallel",
-    "run_ray_extraction": "hsdump._ray",
+    "Backoff": "hsdump._run.pipeline",
+    "ExportSummary": "hsdump._training.export",
+    "ExtractionSummary": "hsdump._run.pipeline",
+    "DumpWatcher": "hsdump._client.watcher",
+    "HiddenStateClient": "hsdump._client.client",
+    "HiddenStateDataset": "hsdump._run.dataset",
+    "HiddenStateStore": "hsdump._store.store",
+    "InotifyWatcher": "hsdump._client.watcher",
+    "LengthBucketSampler": "hsdump._training.batching",
+    "PollingWatcher": "hsdump._client.watcher",
+    "ReferenceServer": "hsdump._servers.reference",
+    "WatchfilesWatcher": "hsdump._client.watcher",
+    "export_store": "hsdump._training.export",
+    "open_store": "hsdump._store.store",
+    "pad_collate": "hsdump._training.batching",
+    "run_extraction": "hsdump._run.pipeline",
+    "run_parallel_extraction": "hsdump._run.parallel",
+    "run_ray_extraction": "hsdump._run.ray_driver",
 }
 
 __all__ = [

@@ -29,8 +29,8 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from hsdump._exceptions import HsdumpError
-from hsdump._objstore import local_side, store_may_exist
-from hsdump._signals import GracefulStop, Stopped
+from hsdump._run.signals import GracefulStop, Stopped
+from hsdump._store.objstore import local_side, store_may_exist
 
 __all__ = ["app", "main"]
 
@@ -115,7 +115,7 @@ def _server(
     if server_url is not None:
         yield server_url, dump_dir
         return
-    from hsdump._reference import ReferenceServer
+    from hsdump._servers.reference import ReferenceServer
 
     with _temp_root(dump_dir) as root:
         where = "" if dump_dir is not None else f", dumping into {root}"
@@ -134,7 +134,7 @@ def _temp_root(dump_dir: Path | None) -> Iterator[Path]:
     if dump_dir is not None:
         yield dump_dir
         return
-    from hsdump._janitor import TempRoot, remove_stale_roots
+    from hsdump._client.janitor import TempRoot, remove_stale_roots
 
     remove_stale_roots(_shm())
     root = TempRoot(_shm())
@@ -266,8 +266,8 @@ def _print_telemetry(summary: Any) -> None:
 
 async def _prepare(options: dict[str, Any], url: str, dump_dir: Path | None) -> Any:
     """Check the server (through a client that is closed again) and read the dataset."""
-    from hsdump._client import HiddenStateClient
-    from hsdump._inputs import InputLimits
+    from hsdump._client.client import HiddenStateClient
+    from hsdump._run.inputs import InputLimits
 
     client = HiddenStateClient(url, dump_dir=dump_dir, **_client_options(options))
     async with client:
@@ -275,8 +275,8 @@ async def _prepare(options: dict[str, Any], url: str, dump_dir: Path | None) -> 
 
 
 def _read_dataset(options: dict[str, Any], limits: Any) -> tuple[Any, list[Any]]:
-    from hsdump._inputs import load_tokenizer, read_dataset
-    from hsdump._pipeline import Failure
+    from hsdump._run.inputs import load_tokenizer, read_dataset
+    from hsdump._run.pipeline import Failure
 
     tokenizer = load_tokenizer(options["tokenizer"]) if options["tokenizer"] else None
     dataset = read_dataset(options["dataset"], limits=limits, tokenizer=tokenizer)
@@ -312,10 +312,10 @@ async def _extract(
 ) -> int:
     import anyio
 
-    from hsdump._client import HiddenStateClient
-    from hsdump._inputs import InputLimits
-    from hsdump._pipeline import failures_path_for, run_extraction
-    from hsdump._store import open_store
+    from hsdump._client.client import HiddenStateClient
+    from hsdump._run.inputs import InputLimits
+    from hsdump._run.pipeline import failures_path_for, run_extraction
+    from hsdump._store.store import open_store
 
     client = HiddenStateClient(
         url,
@@ -364,8 +364,8 @@ def _extract_parallel(options: dict[str, Any], url: str, dump_dir: Path | None) 
     """``--workers`` > 1: extraction in worker processes, each with its own store part."""
     import anyio
 
-    from hsdump._parallel import run_parallel_extraction
-    from hsdump._pipeline import failures_path_for
+    from hsdump._run.parallel import run_parallel_extraction
+    from hsdump._run.pipeline import failures_path_for
 
     dataset, prior = anyio.run(_prepare, options, url, dump_dir)
     failures_path = failures_path_for(local_side(options["out"]))
@@ -403,9 +403,9 @@ def _extract_ray(
 ) -> int:
     """``--ray``: one actor per server of the servers file, each on its server's node."""
     from hsdump._exceptions import ConfigError
-    from hsdump._pipeline import failures_path_for
-    from hsdump._ray import run_ray_extraction
-    from hsdump._raycluster import input_limits, require_ray
+    from hsdump._run.pipeline import failures_path_for
+    from hsdump._run.ray_cluster import input_limits, require_ray
+    from hsdump._run.ray_driver import run_ray_extraction
 
     if servers is None:
         raise ConfigError("--ray needs --servers FILE (each server's url, dump_dir and node)")
@@ -554,7 +554,7 @@ def extract(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each sample.")] = False,
 ) -> None:
     """Extract a dataset into a store (see EXTRACT_HELP)."""
-    from hsdump._inputs import Shard
+    from hsdump._run.inputs import Shard
 
     _setup_logging(verbose)
     options: dict[str, Any] = {
@@ -601,9 +601,9 @@ def extract(
 
 def _all_stored(options: dict[str, Any]) -> bool:
     """Say so, and end, when the store holds every sample of the dataset: no server needed."""
-    from hsdump._inputs import read_dataset
-    from hsdump._pipeline import failures_path_for
-    from hsdump._store import open_store
+    from hsdump._run.inputs import read_dataset
+    from hsdump._run.pipeline import failures_path_for
+    from hsdump._store.store import open_store
 
     path, store_path = options["dataset"], options["out"]
     try:
@@ -638,7 +638,7 @@ def _count_lines(path: Path) -> int:
 
 
 def _tokenizer(options: dict[str, Any]) -> Any:
-    from hsdump._inputs import load_tokenizer
+    from hsdump._run.inputs import load_tokenizer
 
     return load_tokenizer(options["tokenizer"]) if options["tokenizer"] else None
 
@@ -670,7 +670,7 @@ def serve_reference(
     from hsdump._exceptions import ConfigError
 
     def job() -> int:
-        from hsdump._reference import ReferenceServer
+        from hsdump._servers.reference import ReferenceServer
 
         try:
             layers = [int(x) for x in layer_ids.split(",")] if layer_ids else None
@@ -716,7 +716,7 @@ def verify_store(
     """
 
     def job() -> int:
-        from hsdump._store import verify_store as verify
+        from hsdump._store.store import verify_store as verify
 
         report = verify(store)
         for bad in report.corrupted:
@@ -763,7 +763,7 @@ def verify_model(
     ] = None,
 ) -> None:
     def job() -> int:
-        from hsdump._verify_model import verify_against_model
+        from hsdump._training.verify_model import verify_against_model
 
         def say(line: str) -> None:
             console.print(line, markup=False, highlight=False, soft_wrap=True)
@@ -804,8 +804,8 @@ def stats(store: Annotated[str, typer.Argument(help="The Zarr store to summarise
     """
 
     def job() -> int:
-        from hsdump._provenance import describe
-        from hsdump._store import open_store
+        from hsdump._store.provenance import describe
+        from hsdump._store.store import open_store
 
         with open_store(store, "r") as opened:
             layers = opened.stats()
@@ -853,7 +853,7 @@ def export(
     """
 
     def job() -> int:
-        from hsdump._export import export_store, read_ids_file
+        from hsdump._training.export import export_store, read_ids_file
 
         sample_ids = read_ids_file(ids) if ids is not None else None
         progress = Progress(

@@ -25,10 +25,10 @@ import anyio
 import pytest
 from anyio.abc import TaskGroup
 
+from hsdump._client.watcher import DumpWatcher
 from hsdump._exceptions import DumpTimeout
-from hsdump._fake import FakeEngine, FakeServer, Fault, FaultKind, fake_states
 from hsdump._protocol import DumpWriter, ProducerInfo, request_dir, write_error
-from hsdump._watcher import DumpWatcher
+from hsdump._servers.fake import FakeEngine, FakeServer, Fault, FaultKind, fake_states
 
 __all__ = [
     "DumpWatcherTests",

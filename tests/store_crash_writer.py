@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from hsdump._store import open_store
+from hsdump._store.store import open_store
 from hsdump._types import HiddenStates
 
 HIDDEN = 32
@@ -58,8 +58,8 @@ def main(path: str, n: int, writer_id: str, stride: int, offset: int) -> None:
 
 
 if __name__ == "__main__":
-    import hsdump._part
+    import hsdump._store.part
 
     # Commit whenever a shard is on disk (not once a second), so kills land between many commits.
-    hsdump._part.COMMIT_INTERVAL_S = 0.0
+    hsdump._store.part.COMMIT_INTERVAL_S = 0.0
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 
 import hsdump
 from hsdump._cli import app
-from hsdump._reference import build_default_model
-from hsdump._store import open_store
+from hsdump._servers.reference import build_default_model
+from hsdump._store.store import open_store
 from hsdump.testing import FakeServer, Fault
 
 TINY = {
@@ -265,7 +265,7 @@ def test_verbose_logs_samples_but_not_each_http_request(fake, tmp_path, caplog):
         result = _extract_from(fake, tmp_path, _dataset(tmp_path / "d.jsonl", *_good(2)), "-v")
     assert result.exit_code == 0
     names = {record.name for record in caplog.records}
-    assert "hsdump._pipeline" in names and not {"httpx", "httpcore"} & names
+    assert "hsdump._run.pipeline" in names and not {"httpx", "httpcore"} & names
 
 
 def _many(n):

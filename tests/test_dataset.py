@@ -10,8 +10,8 @@ from store_crash_writer import make_sample
 from torch.utils.data import DataLoader
 
 from hsdump import SampleNotFoundError
-from hsdump._dataset import HiddenStateDataset
-from hsdump._store import open_store
+from hsdump._run.dataset import HiddenStateDataset
+from hsdump._store.store import open_store
 
 
 @pytest.fixture

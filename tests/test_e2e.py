@@ -15,9 +15,9 @@ import torch
 from _models import TINY
 
 from hsdump import HiddenStateClient, Sample
-from hsdump._pipeline import run_extraction
-from hsdump._reference import ReferenceServer, build_default_model
-from hsdump._store import open_store, verify_store
+from hsdump._run.pipeline import run_extraction
+from hsdump._servers.reference import ReferenceServer, build_default_model
+from hsdump._store.store import open_store, verify_store
 
 LENGTHS = (1, 7, 33, 128, 300)
 

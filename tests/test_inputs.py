@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from hsdump._exceptions import ConfigError, InputError
-from hsdump._inputs import InputLimits, load_tokenizer, read_dataset
-from hsdump._reference import DEFAULT_CONFIG
+from hsdump._run.inputs import InputLimits, load_tokenizer, read_dataset
+from hsdump._servers.reference import DEFAULT_CONFIG
 
 LIMITS = InputLimits(vocab_size=100, max_tokens=8)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hsdump import Sample, WorkerError, run_parallel_extraction
-from hsdump._store import open_store, verify_store
+from hsdump._store.store import open_store, verify_store
 from hsdump.testing import FakeServer
 
 pytestmark = pytest.mark.timeout(180)

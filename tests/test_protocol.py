@@ -215,8 +215,8 @@ def test_every_protocol_dtype_loads_as_checked_torch_tensors(tmp_path: Path, dty
     import torch
 
     from hsdump import NonFiniteValues, Sample
-    from hsdump._loading import load_dump
-    from hsdump._validate import Expected
+    from hsdump._client.loading import load_dump
+    from hsdump._client.validate import Expected
 
     values = torch.linspace(0.5, 3.0, 4 * 3 * 8).reshape(4, 3, 8).to(getattr(torch, dtype))
     raw = values.view(torch.uint16) if dtype == "bfloat16" else values

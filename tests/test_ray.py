@@ -30,8 +30,8 @@ from hsdump import (
     run_extraction,
     run_ray_extraction,
 )
-from hsdump._raycluster import connected, writer_gone
-from hsdump._store import open_store, verify_store
+from hsdump._run.ray_cluster import connected, writer_gone
+from hsdump._store.store import open_store, verify_store
 from hsdump.testing import FakeServer
 
 ray = pytest.importorskip("ray")
@@ -133,7 +133,7 @@ def _node_ids(nodes: Any) -> dict[str, str]:
 
 
 def test_three_nodes_store_what_one_server_stores(cluster, servers, reference, tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="hsdump._ray"):
+    with caplog.at_level(logging.INFO, logger="hsdump._run.ray_driver"):
         summary = _run(servers, tmp_path / "s.zarr", SAMPLES)
     assert summary.ok and summary.samples_done == len(SAMPLES) and summary.workers == 3
     assert summary.tokens_done == sum(len(s.input_ids) for s in SAMPLES)

@@ -12,7 +12,7 @@ import torch
 
 from hsdump._exceptions import ConfigError
 from hsdump._protocol import read_dump, read_manifests, request_dir
-from hsdump._reference import ReferenceServer, build_default_model, default_layer_ids
+from hsdump._servers.reference import ReferenceServer, build_default_model, default_layer_ids
 
 TINY = {
     "hidden_size": 64,

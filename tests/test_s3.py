@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from hsdump import ConfigError, StoreCorruptedError, StoreError
 from hsdump._cli import app
-from hsdump._store import open_store, verify_store
+from hsdump._store.store import open_store, verify_store
 
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("s3fs")
@@ -230,7 +230,7 @@ def test_a_second_writer_of_one_part_is_refused_naming_the_lease_and_its_holder(
 
 def test_a_lease_is_created_only_where_none_exists(url: str) -> None:
     """The server refuses the create (If-None-Match: *) of a second lease object."""
-    from hsdump._lease import Lease
+    from hsdump._store.lease import Lease
 
     with open_test_store(url, writer_id="w0") as store:
         held: Any = store._part_lock
@@ -364,7 +364,7 @@ def test_credentials_never_appear_in_descriptions_messages_logs_or_the_lease(
 
 
 def test_dependency_messages_are_masked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hsdump._objstore import redact
+    from hsdump._store.objstore import redact
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "env-secret-value-1234")
     assert redact("signature of env-secret-value-1234 failed") == "signature of *** failed"

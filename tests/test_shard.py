@@ -13,8 +13,8 @@ import torch
 from typer.testing import CliRunner
 
 from hsdump._cli import app
-from hsdump._inputs import Shard
-from hsdump._store import open_store
+from hsdump._run.inputs import Shard
+from hsdump._store.store import open_store
 from hsdump.testing import FakeServer
 
 CLI = [sys.executable, "-c", "from hsdump._cli import main; main()", "extract"]

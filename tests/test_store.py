@@ -25,8 +25,8 @@ from hsdump import (
     StoreError,
 )
 from hsdump._protocol import DumpMeta, ProducerInfo
-from hsdump._shardio import PARTIAL_SUFFIX
-from hsdump._store import open_store, verify_store
+from hsdump._store.shardio import PARTIAL_SUFFIX
+from hsdump._store.store import open_store, verify_store
 from hsdump._types import HiddenStates
 
 # NaN, +-Inf, -0, the smallest and largest subnormals (positive and negative), the largest finite.
@@ -341,9 +341,9 @@ async def test_async_write_runs_off_the_event_loop(tmp_path: Path) -> None:
 def test_commits_are_batched_while_writing_and_flush_commits_everything(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import hsdump._part
+    import hsdump._store.part
 
-    monkeypatch.setattr(hsdump._part, "COMMIT_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(hsdump._store.part, "COMMIT_INTERVAL_S", 3600.0)
     path, n = tmp_path / "s.zarr", 40  # ~6,000 tokens: ~47 shards of 128 tokens
     store = open_test_store(str(path))
     for i in range(n):
@@ -380,7 +380,7 @@ def test_full_disk_is_reported_as_a_store_error_saying_what_to_do(
 ) -> None:
     import errno
 
-    from hsdump import _shardio
+    import hsdump._store.shardio as _shardio
 
     def no_space(*args: object) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -438,16 +438,16 @@ def test_samples_straddling_shards_round_trip_with_several_shards_written_at_onc
     """Rows are placed on the codec pool; each shard is written only once all of them landed."""
     import time
 
-    import hsdump._part
+    import hsdump._store.part
 
-    real_place = hsdump._part.place_sample
+    real_place = hsdump._store.part.place_sample
 
     def slow_place(*args: Any) -> int:
         time.sleep(0.01)  # the shard writer would otherwise find the rows unwritten
         return real_place(*args)
 
-    monkeypatch.setattr(hsdump._part, "place_sample", slow_place)
-    monkeypatch.setattr(hsdump._part, "shard_writers", lambda: writers)
+    monkeypatch.setattr(hsdump._store.part, "place_sample", slow_place)
+    monkeypatch.setattr(hsdump._store.part, "shard_writers", lambda: writers)
     path = str(tmp_path / "s.zarr")
     with open_test_store(path) as store:  # 128-token shards: most samples straddle two or more
         for i in range(30):

@@ -14,7 +14,7 @@ import torch
 from store_crash_writer import make_sample, open_test_store
 
 from hsdump import StoreError
-from hsdump._store import open_store
+from hsdump._store.store import open_store
 
 WRITER = Path(__file__).with_name("store_crash_writer.py")
 pytestmark = pytest.mark.slow

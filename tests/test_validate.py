@@ -21,9 +21,9 @@ from hsdump import (
     Sample,
     ShapeMismatch,
 )
-from hsdump._loading import load_dump
+from hsdump._client.loading import load_dump
+from hsdump._client.validate import Expected, read_checked
 from hsdump._protocol import DumpMeta, ProducerInfo, write_dump
-from hsdump._validate import Expected, read_checked
 
 TORCH_DTYPE = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 

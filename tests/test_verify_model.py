@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 
 from hsdump import HiddenStateClient, HiddenStates, Sample
 from hsdump._cli import app
-from hsdump._pipeline import run_extraction
 from hsdump._protocol import DumpMeta, ProducerInfo
-from hsdump._reference import ReferenceServer, build_default_model
-from hsdump._store import open_store
+from hsdump._run.pipeline import run_extraction
+from hsdump._servers.reference import ReferenceServer, build_default_model
+from hsdump._store.store import open_store
 
 runner = CliRunner()
 

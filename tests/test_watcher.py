@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from hsdump import ConfigError, DumpWatcher, InotifyWatcher, PollingWatcher, WatchfilesWatcher
-from hsdump._watcher import default_watcher
+from hsdump._client.watcher import default_watcher
 from hsdump.testing import DumpWatcherTests
 
 

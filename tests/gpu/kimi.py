@@ -64,7 +64,7 @@ def codec_rate(rows: np.ndarray, threads: int) -> float:
     import numcodecs.blosc
     from numcodecs import Blosc
 
-    from hsdump._codecs import chunk_tokens_for
+    from hsdump._store.codecs import chunk_tokens_for
 
     numcodecs.blosc.use_threads = False  # each call on its own context, without a global lock
     codec = Blosc(cname="zstd", clevel=1, shuffle=Blosc.SHUFFLE, blocksize=1 << 20)

@@ -40,7 +40,7 @@ def per_byte(data: list[tuple[np.ndarray, np.ndarray]]) -> None:
     import numcodecs.blosc
     from numcodecs import Blosc
 
-    from hsdump._stats import sample_stats
+    from hsdump._store.stats import sample_stats
 
     numcodecs.blosc.use_threads = False
     codec = Blosc(cname="zstd", clevel=1, shuffle=Blosc.SHUFFLE, blocksize=1 << 20)
@@ -84,10 +84,10 @@ def store_run(writers: int, cores: int, n: int) -> None:
     os.environ["HSDUMP_CORES"] = str(cores)
     import anyio
 
-    import hsdump._part
+    import hsdump._store.part
     from hsdump import HiddenStates, open_store
 
-    hsdump._part.shard_writers = lambda: writers  # type: ignore[method-assign]
+    hsdump._store.part.shard_writers = lambda: writers  # type: ignore[method-assign]
     data = samples(n)
     bf16 = torch.bfloat16
     states = [

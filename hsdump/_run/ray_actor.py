@@ -1,6 +1,7 @@
-"""The extraction actor of a Ray run (see :mod:`hsdump._ray`): one per server, on its node.
+"""The extraction actor of a Ray run (see :mod:`hsdump._run.ray_driver`): one per server, on
+its node.
 
-This module imports no Ray: :mod:`hsdump._ray` wraps :class:`ExtractionActor` with
+This module imports no Ray: :mod:`hsdump._run.ray_driver` wraps :class:`ExtractionActor` with
 ``ray.remote`` when a run starts. An actor opens its own :class:`~hsdump.HiddenStateClient` on
 its server and dump root and its own part of the store, then extracts the batches the driver
 hands it. Each batch is one :func:`~hsdump.run_extraction`, which flushes the store before it
@@ -20,7 +21,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from hsdump._exceptions import HsdumpError, StoreError
-from hsdump._pipeline import (
+from hsdump._run.pipeline import (
     ExtractionSummary,
     Failure,
     _store_bytes,
@@ -111,7 +112,7 @@ class ExtractionActor:
         return BatchResult(writer_id=self._store.writer_id, node_id=node, totals=self._totals())
 
     async def _open(self) -> None:
-        from hsdump._client import HiddenStateClient
+        from hsdump._client.client import HiddenStateClient
 
         spec = self.spec
         client = HiddenStateClient(
@@ -128,7 +129,7 @@ class ExtractionActor:
 
     def _open_part(self) -> Any:
         """The part ``<part>-a<n>`` for the first ``n`` whose lock no other process holds."""
-        from hsdump._store import open_store
+        from hsdump._store.store import open_store
 
         spec = self.spec
         for attempt in range(spec.attempt, spec.attempt + _PART_TRIES):

@@ -36,15 +36,15 @@ from typing import Any
 
 from hsdump._cores import cores
 from hsdump._exceptions import ConfigError, HsdumpError, WorkerError
-from hsdump._pipeline import (
+from hsdump._run.pipeline import (
     ExtractionSummary,
     Failure,
     ProgressCallback,
     _FailureLog,
     token_change,
 )
+from hsdump._run.worker import COUNTERS, STOP_GRACE_S, WorkerSpec, worker_main
 from hsdump._types import Sample
-from hsdump._worker import COUNTERS, STOP_GRACE_S, WorkerSpec, worker_main
 
 __all__ = ["run_parallel_extraction"]
 
@@ -278,7 +278,7 @@ class _Parallel:
         )
 
     def _committed_ids(self) -> set[str]:
-        from hsdump._store import open_store
+        from hsdump._store.store import open_store
 
         try:
             with open_store(self.store_path, "r") as store:
@@ -443,7 +443,7 @@ def _plan(
     line_numbers: Mapping[str, int],
 ) -> list[Sample]:
     """What is left to do; a stored id whose dataset tokens changed is a failure, not a skip."""
-    from hsdump._store import open_store
+    from hsdump._store.store import open_store
 
     if not Path(store).exists():
         todo = list(samples)

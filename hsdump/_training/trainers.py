@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, BinaryIO, Literal, cast
 
 from hsdump._exceptions import ExportError
-from hsdump._shardio import PARTIAL_SUFFIX, write_file_atomic
+from hsdump._store.shardio import PARTIAL_SUFFIX, write_file_atomic
 
 if TYPE_CHECKING:
     import torch
 
-    from hsdump._provenance import Provenance
-    from hsdump._store import HiddenStateStore
+    from hsdump._store.provenance import Provenance
+    from hsdump._store.store import HiddenStateStore
     from hsdump._types import HiddenStates
 
 __all__ = ["TARGETS", "FinalNorm", "Target", "resolve_final_norm"]
@@ -158,7 +158,7 @@ class Speculators(Target):
         write_file_atomic(dest, _safetensors_pieces(hs))
 
     def finish(self, path: Any, store: HiddenStateStore, out: Path, ids: list[str]) -> None:
-        from hsdump._rows import write_rows
+        from hsdump._training.rows import write_rows
 
         write_rows(path, store, out, ids)
 

@@ -1,6 +1,6 @@
 """The hidden-state store: samples keyed by ID in a chunked, compressed Zarr store.
 
-A store is a zarr group with one part per writer (see :mod:`hsdump._part`)::
+A store is a zarr group with one part per writer (see :mod:`hsdump._store.part`)::
 
     store.zarr/
       zarr.json              attributes["hsdump_store"] = {"format": "hsdump-store", "version": 1}
@@ -21,7 +21,16 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from hsdump._backend import (
+from hsdump._exceptions import (
+    ConfigError,
+    HsdumpError,
+    InputError,
+    ProvenanceMismatch,
+    SampleExistsError,
+    SampleNotFoundError,
+    StoreError,
+)
+from hsdump._store.backend import (
     Mode,
     PartLock,
     check_tensors,
@@ -33,25 +42,16 @@ from hsdump._backend import (
     open_root,
     os_error,
 )
-from hsdump._codecs import Compression, chunk_tokens_for, codec_description
-from hsdump._exceptions import (
-    ConfigError,
-    HsdumpError,
-    InputError,
-    ProvenanceMismatch,
-    SampleExistsError,
-    SampleNotFoundError,
-    StoreError,
-)
-from hsdump._integrity import (
+from hsdump._store.codecs import Compression, chunk_tokens_for, codec_description
+from hsdump._store.integrity import (
     COMMITTED_SAMPLES_KEY,
     committed_counts,
     damaged,
     sample_token_digest,
     state_attributes,
 )
-from hsdump._objstore import abort_uploads, dependency_error
-from hsdump._part import (
+from hsdump._store.objstore import abort_uploads, dependency_error
+from hsdump._store.part import (
     PART_PREFIX,
     STATE_KEY,
     PartIndex,
@@ -60,10 +60,10 @@ from hsdump._part import (
     PartWriter,
     load_part_index,
 )
-from hsdump._provenance import Provenance, check_compatible, provenance_of
-from hsdump._reader import PartReader, VerifyReport, verify_parts
-from hsdump._shardio import PARTIAL_SUFFIX, codec_pool
-from hsdump._stats import LayerStats, merge_layer_lists, sample_stats
+from hsdump._store.provenance import Provenance, check_compatible, provenance_of
+from hsdump._store.reader import PartReader, VerifyReport, verify_parts
+from hsdump._store.shardio import PARTIAL_SUFFIX, codec_pool
+from hsdump._store.stats import LayerStats, merge_layer_lists, sample_stats
 
 if TYPE_CHECKING:
     import zarr
@@ -368,7 +368,7 @@ class HiddenStateStore:
             raise
 
     def _write_locked(self, writer: PartWriter, hs: HiddenStates) -> None:
-        from hsdump._codecs import tensor_to_bits
+        from hsdump._store.codecs import tensor_to_bits
 
         dtype = check_tensors(hs)
         prov = provenance_of(

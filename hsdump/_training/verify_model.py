@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
 
-    from hsdump._provenance import Provenance
+    from hsdump._store.provenance import Provenance
     from hsdump._types import HiddenStates
 
 __all__ = ["LayerVerdict", "ModelVerifyReport", "verify_against_model"]
@@ -122,7 +122,7 @@ def verify_against_model(
             size, layer ids, vocabulary), or the store is empty.
         StoreError: The store cannot be opened or read.
     """
-    from hsdump._store import open_store
+    from hsdump._store.store import open_store
 
     if samples < 1:
         raise ConfigError(f"samples must be at least 1, got {samples}")
@@ -184,7 +184,7 @@ def _final_norm(prov: Provenance, where: str) -> FinalNorm:
 def _pick_device(device: str | None) -> str:
     import torch
 
-    from hsdump._reference import _default_device
+    from hsdump._servers.reference import _default_device
 
     device = device or _default_device()
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -197,7 +197,7 @@ def _pick_device(device: str | None) -> str:
 def _load_fp32(model_dir: Path, device: str) -> PreTrainedModel:
     import torch
 
-    from hsdump._reference import _load_model, _ready
+    from hsdump._servers.reference import _load_model, _ready
 
     return _ready(_load_model(model_dir, device, torch.float32), device)
 
@@ -230,7 +230,7 @@ def _states(
     """``[T, K+1, H]`` on the CPU: the aux states, then the final state, as the server dumps."""
     import torch
 
-    from hsdump._reference import capture_states
+    from hsdump._servers.reference import capture_states
 
     aux, final = capture_states(lm, hs.input_ids.tolist(), layer_ids, final_norm)
     return torch.cat([aux, final[:, None]], dim=1).cpu()

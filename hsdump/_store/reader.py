@@ -9,14 +9,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from hsdump._codecs import bits_dtype, bits_to_tensor
 from hsdump._exceptions import StoreCorruptedError, StoreError
-from hsdump._objstore import dependency_error
+from hsdump._store.codecs import bits_dtype, bits_to_tensor
+from hsdump._store.objstore import dependency_error
 
 if TYPE_CHECKING:
     import zarr
 
-    from hsdump._part import PartIndex
+    from hsdump._store.part import PartIndex
     from hsdump._types import HiddenStates
 
 __all__ = ["CorruptSample", "PartReader", "VerifyReport", "verify_parts"]
@@ -81,8 +81,8 @@ class PartReader:
 
     def _open(self) -> tuple[Any, Any, Any]:
         if self._arrays is None:
-            from hsdump._integrity import open_array
-            from hsdump._shardio import FlatChunks, ShardIO
+            from hsdump._store.integrity import open_array
+            from hsdump._store.shardio import FlatChunks, ShardIO
 
             g: Any = self._root[self.index.name]
             hidden, ids, mask = (open_array(g, k, self._where) for k in _SAMPLE_ARRAYS)

@@ -22,7 +22,11 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import httpx
 
-from hsdump._budget import ByteBudget, default_budget_bytes
+from hsdump._client.budget import ByteBudget, default_budget_bytes
+from hsdump._client.janitor import ClientLease, remove_stale
+from hsdump._client.loading import load_dump
+from hsdump._client.validate import Expected, check_response
+from hsdump._client.watcher import DumpWatcher, default_watcher
 from hsdump._cores import cores
 from hsdump._exceptions import (
     ConfigError,
@@ -35,8 +39,6 @@ from hsdump._exceptions import (
     ServerTimeout,
     ServerUnavailable,
 )
-from hsdump._janitor import ClientLease, remove_stale
-from hsdump._loading import load_dump
 from hsdump._protocol import (
     DEFAULT_RID_PREFIX,
     ProducerManifest,
@@ -47,8 +49,6 @@ from hsdump._protocol import (
     request_dir,
 )
 from hsdump._types import Sample
-from hsdump._validate import Expected, check_response
-from hsdump._watcher import DumpWatcher, default_watcher
 
 if TYPE_CHECKING:
     from hsdump._types import HiddenStates

@@ -3,7 +3,8 @@
 An export streams sample by sample: the next sample is read and decoded while a few threads
 write the previous ones, each file atomically (a temporary file, then a rename). The sample
 order is recorded first, in ``hsdump-export.json``: a rerun skips the files that exist and
-appends the samples committed since. The layouts and conventions are in :mod:`hsdump._trainers`.
+appends the samples committed since. The layouts and conventions are in
+:mod:`hsdump._training.trainers`.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hsdump._exceptions import ExportError, InputError, SampleNotFoundError
-from hsdump._provenance import SETTING_FIELDS
-from hsdump._shardio import PARTIAL_SUFFIX, write_file_atomic
-from hsdump._trainers import TARGETS, FinalNorm, Target, resolve_final_norm
+from hsdump._store.provenance import SETTING_FIELDS
+from hsdump._store.shardio import PARTIAL_SUFFIX, write_file_atomic
+from hsdump._training.trainers import TARGETS, FinalNorm, Target, resolve_final_norm
 
 if TYPE_CHECKING:
-    from hsdump._store import HiddenStateStore
+    from hsdump._store.store import HiddenStateStore
     from hsdump._types import HiddenStates
 
 __all__ = [
@@ -135,7 +136,7 @@ def export_store(
         SampleNotFoundError: A requested sample is not committed.
         InputError: ``sample_ids`` names a sample twice.
     """
-    from hsdump._store import open_store
+    from hsdump._store.store import open_store
 
     target = TARGETS[format]()
     with open_store(path, "r") as store:

@@ -20,12 +20,6 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import anyio.to_thread
 
 from hsdump._exceptions import ConfigError
-from hsdump._httpserver import (
-    GenerateRequest,
-    RequestRejected,
-    SGLangCompatibleServer,
-    prefill_response,
-)
 from hsdump._protocol import (
     Capabilities,
     DumpMeta,
@@ -36,6 +30,12 @@ from hsdump._protocol import (
     write_dump,
     write_error,
     write_manifest,
+)
+from hsdump._servers.http_app import (
+    GenerateRequest,
+    RequestRejected,
+    SGLangCompatibleServer,
+    prefill_response,
 )
 
 if TYPE_CHECKING:

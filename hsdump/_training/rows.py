@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hsdump._shardio import PARTIAL_SUFFIX
+from hsdump._store.shardio import PARTIAL_SUFFIX
 
 if TYPE_CHECKING:
-    from hsdump._store import HiddenStateStore
+    from hsdump._store.store import HiddenStateStore
 
 __all__ = ["write_rows"]
 

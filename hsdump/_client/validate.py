@@ -28,7 +28,6 @@ from hsdump._exceptions import (
     ShapeMismatch,
     TokenMismatch,
 )
-from hsdump._inputs import local_model_config
 from hsdump._protocol import (
     DumpMeta,
     ProducerManifest,
@@ -36,6 +35,7 @@ from hsdump._protocol import (
     open_dump_file,
     storage_dtype,
 )
+from hsdump._run.inputs import local_model_config
 
 __all__ = ["Expected", "check_response", "read_checked", "validate_meta"]
 

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 from torch.utils.data import Sampler
 
-from hsdump._dataset import HiddenStateDataset
 from hsdump._exceptions import ConfigError, InputError
+from hsdump._run.dataset import HiddenStateDataset
 
 if TYPE_CHECKING:
     import torch

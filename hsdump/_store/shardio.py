@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hsdump._backend import local_root
 from hsdump._cores import cores
+from hsdump._store.backend import local_root
 
 if TYPE_CHECKING:
-    from hsdump._part import PartLayout
+    from hsdump._store.part import PartLayout
 
 __all__ = ["PARTIAL_SUFFIX", "FlatChunks", "ShardIO", "write_file_atomic"]
 

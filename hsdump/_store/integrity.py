@@ -26,7 +26,7 @@ import numpy as np
 from hsdump._exceptions import StoreCorruptedError
 
 if TYPE_CHECKING:
-    from hsdump._part import IndexChecksum
+    from hsdump._store.part import IndexChecksum
 
 __all__ = [
     "COMMITTED_SAMPLES_KEY",
@@ -96,7 +96,7 @@ def extend_index_checksum(
     base: IndexChecksum | None, rows: np.ndarray, sample_ids: Sequence[str], tokens: np.ndarray
 ) -> IndexChecksum:
     """``base`` extended by index entries appended after the ones it covers."""
-    from hsdump._part import IndexChecksum
+    from hsdump._store.part import IndexChecksum
 
     start = base or IndexChecksum(rows=0, sample_ids=0, tokens=0)
     # Each id is its JSON string and a comma: the concatenation is the same however the ids were

@@ -1,8 +1,9 @@
-"""The worker process of a multi-process extraction (see :mod:`hsdump._parallel`).
+"""The worker process of a multi-process extraction (see :mod:`hsdump._run.parallel`).
 
 A worker opens its own :class:`~hsdump.HiddenStateClient` and its own store part, and runs
-:func:`~hsdump._pipeline.run_extraction` on the samples the parent sends over a pipe. The same pipe
-carries its requests for a slot at the server (granted by the parent), its progress, and its end.
+:func:`~hsdump._run.pipeline.run_extraction` on the samples the parent sends over a pipe. The
+same pipe carries its requests for a slot at the server (granted by the parent), its progress,
+and its end.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from anyio.abc import TaskGroup
 
 from hsdump._cores import ENV_CORES
 from hsdump._exceptions import HsdumpError
-from hsdump._pipeline import ExtractionSummary, run_extraction
+from hsdump._run.pipeline import ExtractionSummary, run_extraction
 from hsdump._types import Sample
 
 __all__ = ["COUNTERS", "STOP_GRACE_S", "WorkerSpec", "worker_main"]
@@ -135,8 +136,8 @@ async def _worker(spec: WorkerSpec, conn: Any) -> None:
 
 
 async def _extract(spec: WorkerSpec, inbox: _Inbox, reporter: _Reporter) -> None:
-    from hsdump._client import HiddenStateClient
-    from hsdump._store import open_store
+    from hsdump._client.client import HiddenStateClient
+    from hsdump._store.store import open_store
 
     client = HiddenStateClient(
         spec.url,

@@ -7,9 +7,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from hsdump._client.validate import Expected, read_checked, validate_meta
 from hsdump._protocol import AUX_FILE, FINAL_FILE, open_dump_dir, read_meta
 from hsdump._types import HiddenStates
-from hsdump._validate import Expected, read_checked, validate_meta
 
 if TYPE_CHECKING:
     import torch

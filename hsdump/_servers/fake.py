@@ -16,13 +16,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from hsdump._httpserver import (
-    DropConnection,
-    GenerateRequest,
-    RequestRejected,
-    SGLangCompatibleServer,
-    prefill_response,
-)
 from hsdump._protocol import (
     DEFAULT_RID_PREFIX,
     Capabilities,
@@ -33,6 +26,13 @@ from hsdump._protocol import (
     write_dump,
     write_error,
     write_manifest,
+)
+from hsdump._servers.http_app import (
+    DropConnection,
+    GenerateRequest,
+    RequestRejected,
+    SGLangCompatibleServer,
+    prefill_response,
 )
 
 __all__ = ["FakeServer", "Fault", "FaultKind", "fake_states"]
@@ -118,15 +118,15 @@ class FakeEngine:
         self._pool = _random_pool(pool_tokens, len(self.layer_ids) + 1, hidden_size)
 
     def server_info(self) -> dict[str, Any]:
-        """See :class:`hsdump._httpserver.Engine`."""
+        """See :class:`hsdump._servers.http_app.Engine`."""
         return self.info
 
     def model_info(self) -> dict[str, Any]:
-        """See :class:`hsdump._httpserver.Engine`."""
+        """See :class:`hsdump._servers.http_app.Engine`."""
         return {"model_path": "fake", "is_generation": True}
 
     async def generate(self, request: GenerateRequest) -> dict[str, Any]:
-        """See :class:`hsdump._httpserver.Engine`."""
+        """See :class:`hsdump._servers.http_app.Engine`."""
         started = time.perf_counter()
         self.received.append(request)
         rid, ids = request.rid or "anonymous", list(request.input_ids or [])

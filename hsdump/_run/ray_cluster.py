@@ -1,4 +1,5 @@
-"""The Ray cluster side of :mod:`hsdump._ray`: joining it, finding the servers' nodes, fences.
+"""The Ray cluster side of :mod:`hsdump._run.ray_driver`: joining it, finding the servers'
+nodes, fences.
 
 Ray is imported here only when a run asks for it (:func:`require_ray`), so ``import hsdump``
 never imports it.
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from hsdump._exceptions import ConfigError
 
 if TYPE_CHECKING:
-    from hsdump._inputs import InputLimits
+    from hsdump._run.inputs import InputLimits
 
 __all__ = [
     "NODE_RESOURCE",
@@ -40,8 +41,8 @@ ServerEntry = tuple[str, "str | os.PathLike[str] | None", "str | None"]
 
 def writer_gone(store: str, writer_id: str, timeout: float) -> bool:
     """Whether the part's writer lock is free within ``timeout`` s (its process is gone)."""
-    from hsdump._backend import LOCK_DIR_SUFFIX
-    from hsdump._part import PART_PREFIX
+    from hsdump._store.backend import LOCK_DIR_SUFFIX
+    from hsdump._store.part import PART_PREFIX
 
     if "://" in store:
         return True  # object storage: its parts are leased, with no lock to wait for here
@@ -149,7 +150,7 @@ def input_limits(url: str) -> InputLimits:
     """The input limits the server at ``url`` reports (none are checked if it cannot say)."""
     import httpx
 
-    from hsdump._inputs import InputLimits
+    from hsdump._run.inputs import InputLimits
 
     try:
         response = httpx.get(f"{url.rstrip('/')}/server_info", timeout=30.0)

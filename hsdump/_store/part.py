@@ -3,7 +3,7 @@
 Layout of ``part-<writer_id>/``::
 
     zarr.json        attributes["hsdump_part"]: PartState, rewritten atomically (the commit point),
-                     and "hsdump_part_crc32": its checksum (see hsdump._integrity); copies of its
+                     and "hsdump_part_crc32": its checksum (hsdump._store.integrity); copies of its
                      counters for zarr-only readers: "committed_samples", "committed_tokens"
     hidden     [tokens, K+1, H]  float bits (uint16 for bf16): K aux layers, then the final state;
                                  a sample's rows are contiguous and start on a chunk boundary
@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from hsdump._codecs import bits_dtype, hidden_compressors, small_compressors
 from hsdump._cores import cores
-from hsdump._integrity import (
+from hsdump._store.codecs import bits_dtype, hidden_compressors, small_compressors
+from hsdump._store.integrity import (
     COMMITTED_SAMPLES_KEY,
     STATE_CRC_KEY,
     committed_counts,
@@ -50,10 +50,10 @@ from hsdump._integrity import (
     state_crc,
     stored_token_digest,
 )
-from hsdump._provenance import Provenance
-from hsdump._shardbuf import Piece, ShardBuffer, place_sample
-from hsdump._shardio import FlatChunks, ShardIO, codec_pool
-from hsdump._stats import LayerStats, merge_layer_lists
+from hsdump._store.provenance import Provenance
+from hsdump._store.shardbuf import Piece, ShardBuffer, place_sample
+from hsdump._store.shardio import FlatChunks, ShardIO, codec_pool
+from hsdump._store.stats import LayerStats, merge_layer_lists
 
 if TYPE_CHECKING:
     import zarr
@@ -101,7 +101,7 @@ class PartLayout(_Frozen):
 
 
 class IndexChecksum(_Frozen):
-    """Running CRC-32s of a part's committed index entries, in order (see hsdump._integrity)."""
+    """Running CRC-32s of a part's committed index entries, in order (hsdump._store.integrity)."""
 
     rows: int
     sample_ids: int

@@ -33,7 +33,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hsdump._exceptions import StoreError
-from hsdump._objstore import call_s3, dependency_error, error_code, s3_location
+from hsdump._store.objstore import call_s3, dependency_error, error_code, s3_location
 
 __all__ = ["DEFAULT_TTL_S", "Lease", "LeaseHolder", "lease_ttl"]
 
@@ -145,7 +145,7 @@ class Lease:
                 f"{where} is a whole bucket: a writer keeps its lease beside the store, so give "
                 f"the store a prefix (s3://{location.bucket}/<name>.zarr)"
             )
-        from hsdump._backend import LOCK_DIR_SUFFIX
+        from hsdump._store.backend import LOCK_DIR_SUFFIX
 
         key = f"{location.bucket}/{location.prefix}{LOCK_DIR_SUFFIX}/{part}.lease"
         url = f"s3://{key}"

@@ -10,9 +10,16 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
-from hsdump._codecs import torch_dtype_name
 from hsdump._exceptions import InputError, StoreCorruptedError, StoreError
-from hsdump._objstore import dependency_error, describe_url, is_url, open_s3, redact, s3_location
+from hsdump._store.codecs import torch_dtype_name
+from hsdump._store.objstore import (
+    dependency_error,
+    describe_url,
+    is_url,
+    open_s3,
+    redact,
+    s3_location,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -271,13 +278,13 @@ class _FileLock:
 
 def lock_part(root: zarr.Group, name: str, where: str, writer_id: str = "") -> PartLock:
     """Hold the part exclusively while it is open: a file lock beside a local store, a lease
-    object beside an S3 store (:mod:`hsdump._lease`), nothing for other stores.
+    object beside an S3 store (:mod:`hsdump._store.lease`), nothing for other stores.
 
     Raises:
         StoreError: Another live writer holds the part.
     """
     if s3_location(root.store) is not None:
-        from hsdump._lease import Lease
+        from hsdump._store.lease import Lease
 
         return Lease.acquire(root.store, name, writer_id or name, where)
     return _FileLock(_lock_local(root, name, where))

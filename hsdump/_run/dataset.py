@@ -10,7 +10,7 @@ from torch.utils.data import Dataset
 if TYPE_CHECKING:
     import torch
 
-    from hsdump._store import HiddenStateStore
+    from hsdump._store.store import HiddenStateStore
 
 __all__ = ["HiddenStateDataset"]
 
@@ -37,7 +37,7 @@ class HiddenStateDataset(Dataset[dict[str, "torch.Tensor"]]):
     def __init__(
         self, path: Any, *, sample_ids: list[str] | None = None, verify: bool = False
     ) -> None:
-        from hsdump._store import open_store
+        from hsdump._store.store import open_store
 
         self._path = path
         self._verify = verify
@@ -62,7 +62,7 @@ class HiddenStateDataset(Dataset[dict[str, "torch.Tensor"]]):
 
     def _handle(self) -> HiddenStateStore:
         if self._store is None or self._pid != os.getpid():
-            from hsdump._store import open_store
+            from hsdump._store.store import open_store
 
             self._store = open_store(self._path, "r")
             self._pid = os.getpid()

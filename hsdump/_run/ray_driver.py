@@ -1,7 +1,7 @@
 """Extraction over a Ray cluster: one actor per server, on that server's node, into one store.
 
 A server's dump root is local to its node, so the process that reads its dumps must run there.
-:func:`run_ray_extraction` starts one :class:`~hsdump._rayactor.ExtractionActor` per server,
+:func:`run_ray_extraction` starts one :class:`~hsdump._run.ray_actor.ExtractionActor` per server,
 pinned to the server's node with ``NodeAffinitySchedulingStrategy(node_id, soft=False)``: a node
 named in the servers list by its Ray node id, its ``hsdump-node:<name>`` custom resource, its
 hostname or its IP address (resolved to one node id at the start; no ``node``: this process's
@@ -19,7 +19,7 @@ until the dead actor's part lock is free (the OS frees it with the process: noth
 committed there), reads the store, and puts the samples of its batches that are not committed
 back at the front of the queue; the actor is started again on its node (a few times at most),
 and a server whose node is gone is left out. The store is the one truth of what is committed,
-as in :mod:`hsdump._parallel`, so each sample is committed once, also over reruns.
+as in :mod:`hsdump._run.parallel`, so each sample is committed once, also over reruns.
 
 docs/multinode.md has the recipe: SGLang on N nodes, ``ray start``, the servers file.
 """
@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import Any
 
 from hsdump._exceptions import ConfigError, HsdumpError, WorkerError
-from hsdump._parallel import _plan, _sigterm_as_interrupt
-from hsdump._pipeline import ExtractionSummary, Failure, ProgressCallback, _FailureLog
-from hsdump._rayactor import ActorSpec, BatchResult, ExtractionActor
-from hsdump._raycluster import ServerEntry, connected, require_ray, resolve_nodes, writer_gone
+from hsdump._run.parallel import _plan, _sigterm_as_interrupt
+from hsdump._run.pipeline import ExtractionSummary, Failure, ProgressCallback, _FailureLog
+from hsdump._run.ray_actor import ActorSpec, BatchResult, ExtractionActor
+from hsdump._run.ray_cluster import ServerEntry, connected, require_ray, resolve_nodes, writer_gone
+from hsdump._run.worker import STOP_GRACE_S
 from hsdump._types import Sample
-from hsdump._worker import STOP_GRACE_S
 
 __all__ = ["run_ray_extraction"]
 
@@ -249,7 +249,7 @@ class _RayRun:
             self.pending.extendleft(reversed([s for s in leased if s.id not in committed]))
 
     def _committed_ids(self) -> set[str]:
-        from hsdump._store import open_store
+        from hsdump._store.store import open_store
 
         try:
             with open_store(self.store, "r") as store:
