@@ -427,3 +427,17 @@ def test_an_unreachable_endpoint_is_a_store_error_naming_it(
 def test_storage_options_botocore_does_not_take_are_a_config_error(s3: Any) -> None:
     with pytest.raises(ConfigError, match=r"storage_options for s3://hsdump-any/x\.zarr"):
         open_store("s3://hsdump-any/x.zarr", "r", storage_options={"no_such_option": 1})
+
+
+def test_workers_extract_into_an_s3_store_and_a_rerun_skips_what_is_stored(url, tmp_path) -> None:
+    from hsdump import Sample, run_parallel_extraction
+    from hsdump.testing import FakeServer
+
+    samples = [Sample(id=f"s{i}", input_ids=list(range(1, 6 + i))) for i in range(8)]
+    with FakeServer(tmp_path / "dumps", hidden_size=16) as server:
+        options = {"url": server.url, "dump_dir": server.dump_dir, "store": url, "concurrency": 2}
+        first = run_parallel_extraction(samples[:5], workers=2, **options)
+        again = run_parallel_extraction(samples, workers=2, **options)
+    assert (first.samples_done, again.skipped, again.samples_done) == (5, 5, 3)
+    with open_store(url, "r") as opened:
+        assert sorted(opened) == sorted(s.id for s in samples) and not opened.duplicates

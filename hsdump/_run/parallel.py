@@ -35,7 +35,7 @@ from types import FrameType
 from typing import Any
 
 from hsdump._cores import cores
-from hsdump._exceptions import ConfigError, HsdumpError, WorkerError
+from hsdump._exceptions import ConfigError, HsdumpError, StoreError, WorkerError
 from hsdump._run.pipeline import (
     ExtractionSummary,
     Failure,
@@ -436,6 +436,11 @@ def run_parallel_extraction(
     return summary
 
 
+def _absent(store: str) -> bool:
+    """A local path with nothing there (a URL is asked of the store itself)."""
+    return "://" not in store and not Path(store).exists()
+
+
 def _plan(
     samples: Sequence[Sample],
     store: str,
@@ -445,10 +450,14 @@ def _plan(
     """What is left to do; a stored id whose dataset tokens changed is a failure, not a skip."""
     from hsdump._store.store import open_store
 
-    if not Path(store).exists():
+    try:
+        opened_store = None if _absent(store) else open_store(store, "r")
+    except StoreError:  # an object-store URL with no store yet (the workers report any other)
+        opened_store = None
+    if opened_store is None:
         todo = list(samples)
     else:
-        with open_store(store, "r") as opened:
+        with opened_store as opened:
             todo = [s for s in samples if s.id not in opened]
             for sample in (s for s in samples if s.id in opened):
                 exc = token_change(opened, sample)
