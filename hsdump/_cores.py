@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from hsdump._settings import settings
+
 __all__ = ["ENV_CORES", "cores"]
 
 # Set by the parent of a multi-process extraction for each worker, so that N workers on one host
@@ -12,10 +14,14 @@ ENV_CORES = "HSDUMP_CORES"
 
 
 def cores() -> int:
-    """``$HSDUMP_CORES`` if set, else the cores this process may run on (its CPU affinity)."""
-    value = os.environ.get(ENV_CORES, "")
-    if value.isdigit() and int(value) > 0:
-        return int(value)
+    """``$HSDUMP_CORES`` if set, else the cores this process may run on (its CPU affinity).
+
+    Raises:
+        ConfigError: ``HSDUMP_CORES`` is not a whole number above 0.
+    """
+    configured = settings().cores
+    if configured is not None:
+        return configured
     try:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
