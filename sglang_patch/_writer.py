@@ -332,14 +332,15 @@ class _Publisher:
 
 
 def _write_error(piece: Piece, futures: list[Future[None]]) -> str | None:
-    """The first failure of a piece's row writes, as a reason (a bug is raised, not reported)."""
+    """The first failure of a piece's row writes, as a reason; a bug is logged with its trace."""
     errors = [exc for exc in (f.exception() for f in futures) if exc is not None]
-    for exc in errors:
-        if not isinstance(exc, OSError | ValueError):
-            raise exc
     if not errors:
         return None
-    return f"writing rows [{piece.start}, {piece.start + piece.n}) failed: {errors[0]}"
+    for exc in errors:
+        if not isinstance(exc, OSError | ValueError):
+            logger.error("hsdump: a row write failed unexpectedly", exc_info=exc)
+    first, end = errors[0], piece.start + piece.n
+    return f"writing rows [{piece.start}, {end}) failed: {type(first).__name__}: {first}"
 
 
 def _free_bytes(path: Path) -> int:

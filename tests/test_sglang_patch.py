@@ -254,6 +254,20 @@ def held_writes(monkeypatch):
     state.release.set()
 
 
+def test_a_bug_in_a_row_write_publishes_an_error_and_leaves_no_partial_dump(
+    dumper, tmp_path, monkeypatch
+) -> None:
+    def buggy(self, start, aux, final) -> None:
+        raise TypeError("a bug")
+
+    monkeypatch.setattr(DumpWriter, "write_rows", buggy)
+    d, req = dumper(), Req("hsdump-a", 4)
+    forward(d, batch([req], [4], [0]), rows(4))
+    with pytest.raises(DumpFailed, match="TypeError: a bug"):
+        read_dump(request_dir(tmp_path, req.rid))
+    assert [p.name for p in tmp_path.iterdir()] == ["req_hsdump-a"]
+
+
 def test_the_next_groups_rows_are_written_while_an_earlier_group_is_still_writing(
     dumper, tmp_path, held_writes
 ) -> None:
