@@ -7,7 +7,7 @@ from pathlib import Path
 
 import anyio
 
-from hsdump._exceptions import ConfigError
+from hsdump._settings import settings
 
 __all__ = ["ByteBudget", "default_budget_bytes"]
 
@@ -17,24 +17,11 @@ DEFAULT_FRACTION = 0.5
 
 def default_budget_bytes(root: Path) -> int:
     """``$HSDUMP_DUMP_BUDGET_BYTES``, else half of the free space of ``root``'s filesystem."""
-    text = os.environ.get(ENV_BUDGET, "").strip()
-    if text:
-        return _parse_budget(text)
+    configured = settings().dump_budget_bytes
+    if configured is not None:
+        return configured
     stats = os.statvfs(root)
     return int(stats.f_bavail * stats.f_frsize * DEFAULT_FRACTION)
-
-
-def _parse_budget(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise ConfigError(
-            f"{ENV_BUDGET} must be a whole number of bytes above 0, got {text!r}: for example "
-            f"{ENV_BUDGET}=2000000000 for 2 GB, or unset it for half of the dump root's free space"
-        )
-    return value
 
 
 class ByteBudget:
