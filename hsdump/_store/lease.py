@@ -33,6 +33,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hsdump._exceptions import StoreError
+from hsdump._settings import settings
 from hsdump._store.objstore import call_s3, dependency_error, error_code, s3_location
 
 __all__ = ["DEFAULT_TTL_S", "Lease", "LeaseHolder", "lease_ttl"]
@@ -65,16 +66,7 @@ class LeaseHolder(BaseModel):
 
 def lease_ttl() -> float:
     """Seconds a lease lives without renewal: ``HSDUMP_LEASE_TTL_S``, else 60."""
-    raw = os.environ.get("HSDUMP_LEASE_TTL_S")
-    try:
-        ttl = float(raw) if raw else DEFAULT_TTL_S
-    except ValueError:
-        ttl = -1.0
-    if not ttl > 0:
-        from hsdump._exceptions import ConfigError
-
-        raise ConfigError(f"HSDUMP_LEASE_TTL_S must be a positive number of seconds, got {raw!r}")
-    return ttl
+    return settings().lease_ttl_s
 
 
 @cache
