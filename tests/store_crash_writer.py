@@ -8,6 +8,7 @@ closes the store and prints ``END <number actually written>``.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -58,8 +59,6 @@ def main(path: str, n: int, writer_id: str, stride: int, offset: int) -> None:
 
 
 if __name__ == "__main__":
-    import hsdump._store.part
-
     # Commit whenever a shard is on disk (not once a second), so kills land between many commits.
-    hsdump._store.part.COMMIT_INTERVAL_S = 0.0
+    os.environ["HSDUMP_COMMIT_INTERVAL_S"] = "0"
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))

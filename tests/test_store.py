@@ -341,9 +341,7 @@ async def test_async_write_runs_off_the_event_loop(tmp_path: Path) -> None:
 def test_commits_are_batched_while_writing_and_flush_commits_everything(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import hsdump._store.part
-
-    monkeypatch.setattr(hsdump._store.part, "COMMIT_INTERVAL_S", 3600.0)
+    monkeypatch.setenv("HSDUMP_COMMIT_INTERVAL_S", "3600")
     path, n = tmp_path / "s.zarr", 40  # ~6,000 tokens: ~47 shards of 128 tokens
     store = open_test_store(str(path))
     for i in range(n):
@@ -447,7 +445,7 @@ def test_samples_straddling_shards_round_trip_with_several_shards_written_at_onc
         return real_place(*args)
 
     monkeypatch.setattr(hsdump._store.part, "place_sample", slow_place)
-    monkeypatch.setattr(hsdump._store.part, "shard_writers", lambda: writers)
+    monkeypatch.setenv("HSDUMP_SHARD_WRITERS", str(writers))
     path = str(tmp_path / "s.zarr")
     with open_test_store(path) as store:  # 128-token shards: most samples straddle two or more
         for i in range(30):

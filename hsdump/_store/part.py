@@ -17,7 +17,7 @@ Layout of ``part-<writer_id>/``::
 Samples are gathered in an in-RAM shard buffer and a shard is written once it is full (appending to
 an existing shard would make zarr read and rewrite it whole). A sample is committed when all of its
 rows are on disk: its index row is written, then the counter in ``zarr.json``. Samples whose rows
-are on disk are committed together, at most once per ``COMMIT_INTERVAL_S`` while writing;
+are on disk are committed together, at most once per ``HSDUMP_COMMIT_INTERVAL_S`` while writing;
 ``flush()`` writes the partial shard too and commits everything. On resume the committed head of
 the open shard is reloaded into the buffer, or the next full-shard write would zero it.
 """
@@ -38,6 +38,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hsdump._cores import cores
+from hsdump._store import zarr_adapter
+from hsdump._settings import settings
 from hsdump._store.codecs import bits_dtype, hidden_compressors, small_compressors
 from hsdump._store.integrity import (
     COMMITTED_SAMPLES_KEY,
@@ -59,7 +61,6 @@ if TYPE_CHECKING:
     import zarr
 
 __all__ = [
-    "COMMIT_INTERVAL_S",
     "INDEX_COLUMNS",
     "PART_PREFIX",
     "IndexChecksum",
@@ -78,9 +79,6 @@ _SHARDS_PER_GROW = 64  # capacity grows a fixed step, so few metadata rewrites a
 _IDS_CHUNK_SHARDS = 16
 _INDEX_CHUNK = 4096  # rows; rewritten (read-modify-write) on each commit
 INDEX_COLUMNS = ("offset", "length", "has_mask", "crc32")  # of index/rows, in its attributes
-# Seconds between commits while writing. Each commit costs ~7 ms of zarr work (mostly holding the
-# GIL); once per shard, it was a third of the writer thread's time on 16 cores.
-COMMIT_INTERVAL_S = 1.0
 # "c.12.0.0" instead of "c/12/0/0": one directory per array instead of two per shard.
 _FLAT_KEYS: Any = {"name": "default", "separator": "."}
 
@@ -213,7 +211,7 @@ class _Pending:
 
 
 def shard_writers() -> int:
-    """Full shards written at once: one per two cores, 2 to 8.
+    """Full shards written at once: ``HSDUMP_SHARD_WRITERS``, else one per two cores, 2 to 8.
 
     Encoding a shard runs on the codec pool, but writing it is serial, and a sample waits for
     the oldest shard in flight. One process storing H=7168 samples on an H200 host
@@ -221,7 +219,7 @@ def shard_writers() -> int:
     cores 4 writers 21.7k, 8 18.9k. With one writer (2 cores) the pool idled while each shard was
     written. Each one holds a shard buffer in RAM (235 MB at H=7168).
     """
-    return max(2, min(8, cores() // 2))
+    return settings().shard_writers or max(2, min(8, cores() // 2))
 
 
 class PartWriter:
@@ -255,6 +253,10 @@ class PartWriter:
         self._max_inflight = shard_writers()
         self._small_chunks = threading.Lock()
         self._last_commit = 0.0
+        # Seconds between commits while writing (HSDUMP_COMMIT_INTERVAL_S, 1 s). Each commit costs
+        # ~7 ms of zarr work (mostly holding the GIL); once per shard, it was a third of the
+        # writer thread's time on 16 cores.
+        self._commit_interval = settings().commit_interval_s
         self._flusher = ThreadPoolExecutor(
             max_workers=self._max_inflight, thread_name_prefix="hsdump-shard-writer"
         )
@@ -436,9 +438,9 @@ class PartWriter:
 
     def _commit_ready(self, *, force: bool = False) -> None:
         self._wait_inflight(block=False)
-        # A commit rewrites the index chunks and zarr.json: once per COMMIT_INTERVAL_S at most
+        # A commit rewrites the index chunks and zarr.json: once per commit interval at most
         # (a killed writer then redoes at most that much work), and on every flush.
-        if not force and time.monotonic() - self._last_commit < COMMIT_INTERVAL_S:
+        if not force and time.monotonic() - self._last_commit < self._commit_interval:
             return
         ready = self._on_disk()
         if not ready:
@@ -598,27 +600,25 @@ class PartWriter:
 
     def _drop_stray_chunks(self, first_shard: int) -> None:
         """Delete shards (and id/mask chunks) written after the last commit by a killed writer."""
-        from zarr.core.sync import sync
-
         hidden = self._arrays["hidden"]
         shard = self._layout.shard_tokens
         dropped = 0
         for i in range(first_shard, hidden.shape[0] // shard):
-            dropped += self._delete_chunk(hidden, (i, 0, 0), sync)
+            dropped += self._delete_chunk(hidden, (i, 0, 0))
         per_ids = shard * _IDS_CHUNK_SHARDS
         for name in ("input_ids", "loss_mask"):
             arr = self._arrays[name]
             for i in range(-(-self._next // per_ids), arr.shape[0] // per_ids):
-                dropped += self._delete_chunk(arr, (i,), sync)
+                dropped += self._delete_chunk(arr, (i,))
         if dropped:
             logger.info(
                 "part %s: removed %d chunk files past the last commit", self.index.name, dropped
             )
 
     @staticmethod
-    def _delete_chunk(arr: Any, coords: tuple[int, ...], sync: Any) -> int:
-        key = f"{arr.path}/{arr.metadata.encode_chunk_key(coords)}"
-        if not sync(arr.store.exists(key)):
+    def _delete_chunk(arr: Any, coords: tuple[int, ...]) -> int:
+        key = zarr_adapter.chunk_key(arr, coords)
+        if not zarr_adapter.exists(arr.store, key):
             return 0
-        sync(arr.store.delete(key))
+        zarr_adapter.delete(arr.store, key)
         return 1

@@ -82,12 +82,11 @@ def per_byte(data: list[tuple[np.ndarray, np.ndarray]]) -> None:
 def store_run(writers: int, cores: int, n: int) -> None:
     """In a fresh process: write n samples into a fresh store on /dev/shm."""
     os.environ["HSDUMP_CORES"] = str(cores)
+    os.environ["HSDUMP_SHARD_WRITERS"] = str(writers)
     import anyio
 
-    import hsdump._store.part
     from hsdump import HiddenStates, open_store
 
-    hsdump._store.part.shard_writers = lambda: writers  # type: ignore[method-assign]
     data = samples(n)
     bf16 = torch.bfloat16
     states = [
