@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from hsdump._protocol import dtype_of_torch, dtype_spec
 from sglang_patch._config import PluginConfig
 from sglang_patch._plan import BatchPlan, ChunkPlanner
 from sglang_patch._staging import PinnedRing, Stager
@@ -17,17 +18,11 @@ __all__ = ["Dumper", "torch_dtype_name"]
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
 
 def torch_dtype_name(dtype: torch.dtype) -> str:
-    """The protocol name of a torch dtype; raises ``ValueError`` for one the protocol lacks."""
-    try:
-        return _DTYPES[dtype]
-    except KeyError:
-        raise ValueError(
-            f"hidden states of dtype {dtype} cannot be dumped (use bf16/fp16/fp32)"
-        ) from None
+    """The protocol name of a torch dtype; raises ``InputError`` (a ``ValueError``) for one the
+    protocol lacks."""
+    return dtype_of_torch(dtype).name
 
 
 class Dumper:
@@ -104,7 +99,7 @@ class Dumper:
                 f"[{plan.rows}, {(k + 1) * h}] ({k} aux layers plus the final state, H={h}); "
                 "another plugin or server option may have changed the capture"
             )
-        if _DTYPES.get(hidden.dtype) != self.fmt.dtype:
+        if hidden.dtype != dtype_spec(self.fmt.dtype).torch_dtype():
             return f"hidden states are {hidden.dtype}, the producer manifest says {self.fmt.dtype}"
         return None
 

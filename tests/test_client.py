@@ -622,3 +622,31 @@ async def test_one_in_flight_sends_the_next_request_once_the_server_answered(
         await anyio.wait_all_tasks_blocked()
         assert_belongs_to(await client.extract(second), second)
     assert len(rids) == 2 and request_dirs(server.dump_dir) == []
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+async def test_fp16_and_fp32_dumps_reach_the_store_bit_exact(tmp_path: Path, dtype: str) -> None:
+    """Dumped bits, the client's tensors, the stored tensors and the store's statistics agree."""
+    import numpy as np
+
+    from hsdump import open_store
+    from hsdump._protocol import DTYPES
+
+    spec, s = DTYPES[dtype], sample(7)
+    with FakeServer(tmp_path / "dumps", layer_ids=LAYERS, hidden_size=HIDDEN, dtype=dtype) as srv:
+        async with HiddenStateClient(srv.url, dump_dir=srv.dump_dir, dump_timeout=2) as c:
+            states = await c.extract(s)
+    aux, final = fake_states(s.input_ids, LAYERS, HIDDEN, dtype)
+    assert states.aux_hidden_states.dtype == states.final_hidden_state.dtype == spec.torch_dtype()
+    assert np.array_equal(spec.bits_of(states.aux_hidden_states), aux)
+    assert np.array_equal(spec.bits_of(states.final_hidden_state), final)
+    with open_store(tmp_path / "s.zarr", mode="a") as store:
+        await store.write(states)
+    with open_store(tmp_path / "s.zarr", mode="r") as store:
+        back, stats = store[s.id], store.stats()
+    assert torch.equal(back.aux_hidden_states, states.aux_hidden_states)
+    assert torch.equal(back.final_hidden_state, states.final_hidden_state)
+    values = states.aux_hidden_states[:, 0].double()
+    assert stats[0].count == values.numel() and stats[0].non_finite == 0
+    assert stats[0].max_abs == pytest.approx(float(values.abs().max()))
+    assert stats[0].mean == pytest.approx(float(values.mean()), rel=1e-5)

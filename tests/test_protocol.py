@@ -1,4 +1,8 @@
-"""Dump protocol v1: what producers write is what the reader gives back, or a clear error."""
+"""Dump protocol v1: what producers write is what the client's reader gives back, or a clear error.
+
+Dumps are read here through :func:`hsdump._client.loading.read_dump`, the path the client reads
+every dump by.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +15,9 @@ import numpy as np
 import pytest
 
 from hsdump import DumpFailed, DumpValidationError, ServerNotDumping
+from hsdump._client.loading import read_dump, to_torch
 from hsdump._protocol import (
+    DTYPES,
     Capabilities,
     DumpMeta,
     DumpWriter,
@@ -19,7 +25,6 @@ from hsdump._protocol import (
     ProducerManifest,
     default_dump_dir,
     is_opted_in,
-    read_dump,
     read_manifests,
     remove_dump,
     request_dir,
@@ -42,24 +47,56 @@ def meta(
     )  # fmt: skip
 
 
-def arrays(t: int = 4, k: int = 2, h: int = 8) -> tuple[np.ndarray, np.ndarray]:
+def arrays(
+    t: int = 4, k: int = 2, h: int = 8, dtype: str = "bfloat16"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Finite, non-zero random states as the raw bits of ``dtype``."""
     rng = np.random.default_rng(t)
-    return rng.integers(0, 65535, (t, k, h), dtype=np.uint16), rng.integers(
-        0, 65535, (t, h), dtype=np.uint16
+    spec = DTYPES[dtype]
+    return spec.from_float32(rng.standard_normal((t, k, h)) + 0.5), spec.from_float32(
+        rng.standard_normal((t, h)) + 0.5
     )
 
 
-def test_round_trip_is_bit_exact(tmp_path: Path) -> None:
-    aux, final = arrays()
-    dump = read_dump(write_dump(tmp_path, meta(), aux, final))
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_round_trip_is_bit_exact_as_the_raw_bits_of_every_dtype(tmp_path: Path, dtype: str) -> None:
+    aux, final = arrays(dtype=dtype)
+    dump = read_dump(write_dump(tmp_path, meta(dtype=dtype), aux, final))
+    assert dump.aux.dtype == DTYPES[dtype].bits_dtype == dump.final.dtype
     assert np.array_equal(dump.aux, aux) and np.array_equal(dump.final, final)
-    assert dump.meta == meta().model_copy(update={"created_at": dump.meta.created_at})
+    assert dump.meta == meta(dtype=dtype).model_copy(update={"created_at": dump.meta.created_at})
 
 
-def test_float32_dumps_keep_their_dtype(tmp_path: Path) -> None:
-    aux = np.arange(4 * 2 * 8, dtype=np.float32).reshape(4, 2, 8)
-    dump = read_dump(write_dump(tmp_path, meta(dtype="float32"), aux, aux[:, 0].copy()))
-    assert dump.aux.dtype == np.float32 and np.array_equal(dump.aux, aux)
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_read_bits_view_as_the_float_tensors_that_were_dumped(tmp_path: Path, dtype: str) -> None:
+    import torch
+
+    values = torch.randn(4, 2, 8).to(getattr(torch, dtype))
+    spec = DTYPES[dtype]
+    path = write_dump(tmp_path, meta(dtype=dtype), spec.bits_of(values), spec.bits_of(values[:, 0]))
+    tensor = to_torch(read_dump(path).aux, dtype)
+    assert tensor.dtype == values.dtype and torch.equal(tensor, values)
+
+
+def test_the_dtype_table_covers_exactly_the_protocol_dtypes() -> None:
+    from typing import get_args
+
+    from hsdump._protocol import DType
+
+    assert set(DTYPES) == set(get_args(DType))
+    for name, spec in DTYPES.items():
+        assert spec.name == name and spec.bits_dtype.itemsize == spec.itemsize
+        assert spec.bits_dtype.kind == "u"  # raw bits, never a float array, whatever the dtype
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_the_exponent_mask_tells_finite_values_from_inf_and_nan(dtype: str) -> None:
+    spec = DTYPES[dtype]
+    values = np.array([np.inf, -np.inf, np.nan, 1e5, 65000.0, -1.0, 0.0], np.float32)
+    bits = spec.from_float32(values)
+    below = np.bitwise_and(bits, spec.magnitude_mask) < spec.exponent_mask
+    assert np.array_equal(below, np.isfinite(spec.to_float32(bits)))
+    assert not below[:3].any() and below[4:].all()
 
 
 def test_published_dir_appears_complete_with_done_marker(tmp_path: Path) -> None:
@@ -110,6 +147,14 @@ def test_error_marker_reads_as_dump_failed_with_the_reason(tmp_path: Path) -> No
     with pytest.raises(DumpFailed, match="prefix cache hit of 64 tokens") as info:
         read_dump(path, sample_id="s9")
     assert info.value.sample_id == "s9" and info.value.rid == "hsdump-e"
+
+
+def test_a_non_finite_value_in_a_dump_is_refused_by_its_reader(tmp_path: Path) -> None:
+    aux, final = arrays(dtype="float16")
+    aux[2, 1, 3] = DTYPES["float16"].from_float32(np.float32(np.inf))
+    path = write_dump(tmp_path, meta(dtype="float16"), aux, final)
+    with pytest.raises(DumpValidationError, match="NaN or Inf at token 2"):
+        read_dump(path)
 
 
 def test_truncated_tensor_file_is_a_validation_error(tmp_path: Path) -> None:

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from hsdump._client.loading import read_dump
 from hsdump._exceptions import ConfigError
-from hsdump._protocol import read_dump, read_manifests, request_dir
+from hsdump._protocol import read_manifests, request_dir
 from hsdump._servers.reference import ReferenceServer, build_default_model, default_layer_ids
 
 TINY = {

@@ -15,13 +15,13 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
 import sglang_patch._ledger
+from hsdump._client.loading import read_dump, to_torch
 from hsdump._exceptions import DumpFailed
-from hsdump._protocol import DumpWriter, ProducerInfo, read_dump, request_dir
+from hsdump._protocol import DumpWriter, ProducerInfo, request_dir
 from sglang_patch._config import PluginConfig, load_config
 from sglang_patch._dumper import Dumper
 from sglang_patch._plan import ChunkPlanner
@@ -80,8 +80,9 @@ def assert_dump(root: Path, req: Req, expected: torch.Tensor) -> None:
     dump = read_dump(request_dir(root, req.rid))
     assert dump.meta.input_ids == req.origin_input_ids
     assert dump.meta.layer_ids == list(FMT.layer_ids) and dump.meta.final_norm == "post_norm"
-    np.testing.assert_array_equal(dump.aux.reshape(len(expected), -1), expected[:, : K * H].numpy())
-    np.testing.assert_array_equal(dump.final, expected[:, K * H :].numpy())
+    aux, final = (to_torch(bits, dump.meta.dtype) for bits in (dump.aux, dump.final))
+    assert torch.equal(aux.reshape(len(expected), -1), expected[:, : K * H])
+    assert torch.equal(final, expected[:, K * H :])
 
 
 # --- planning -------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 from test_sglang_patch_source import _download
 
-from hsdump._protocol import ProducerManifest, read_dump
+from hsdump._client.loading import read_dump, to_torch
+from hsdump._protocol import ProducerManifest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -229,8 +230,9 @@ def test_a_prefill_is_dumped_through_sglangs_hook_registry(tmp_path, hook_regist
     assert out["layers"] == [2, 4, 5] and out["width"] == [14, 4 * 8]
     assert published(dump) == ["req_hsdump-a", "req_hsdump-c"]
     a, c = read_dump(dump / "req_hsdump-a"), read_dump(dump / "req_hsdump-c")
-    np.testing.assert_allclose(a.final, np.array(out["a_final"]), rtol=0, atol=0)
-    np.testing.assert_allclose(c.aux.transpose(1, 0, 2), np.array(out["c_aux"]), rtol=0, atol=0)
+    a_final, c_aux = to_torch(a.final, "float32").numpy(), to_torch(c.aux, "float32").numpy()
+    np.testing.assert_array_equal(a_final, np.array(out["a_final"], np.float32))
+    np.testing.assert_array_equal(c_aux.transpose(1, 0, 2), np.array(out["c_aux"], np.float32))
     assert a.meta.layer_ids == [2, 4, 5] and a.meta.producer.version == "sglang-0.5.17"
     (text,) = out["manifests"]  # read while the server ran: it is removed when the server exits
     manifest = ProducerManifest.model_validate_json(text)

@@ -1,33 +1,94 @@
-"""Turning a published dump into verified :class:`~hsdump.HiddenStates` (torch tensors)."""
+"""Reading a published dump: the one read path, and turning it into :class:`~hsdump.HiddenStates`.
+
+:func:`read_dump` is how every dump is read (the client's :func:`load_dump` goes through it): the
+directory opened without following a link, its markers and ``meta.json`` checked, then each tensor
+file read into fresh memory with its size and values checked (:func:`read_checked`).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hsdump._client.validate import Expected, read_checked, validate_meta
-from hsdump._protocol import AUX_FILE, FINAL_FILE, open_dump_dir, read_meta
+from hsdump._protocol import (
+    AUX_FILE,
+    FINAL_FILE,
+    REQ_PREFIX,
+    DumpMeta,
+    dtype_spec,
+    open_dump_dir,
+    read_meta,
+)
 from hsdump._types import HiddenStates
 
 if TYPE_CHECKING:
+    import os
+
     import torch
 
     from hsdump._types import Sample
 
-__all__ = ["load_dump", "to_torch"]
+__all__ = ["Dump", "load_dump", "read_dump", "to_torch"]
 
 
-def to_torch(array: np.ndarray, dtype: str) -> torch.Tensor:
-    """View an array as a torch tensor of protocol dtype ``dtype`` without copying.
+@dataclass(frozen=True)
+class Dump:
+    """A published dump as read and checked: ``aux [T, K, H]`` and ``final [T, H]``.
 
-    bf16 arrives as ``uint16`` bits (numpy has no bfloat16) and is reinterpreted in place.
+    The arrays hold the values' raw bits (``meta.dtype``'s
+    :attr:`~hsdump._protocol.DtypeSpec.bits`); :func:`to_torch` views them as floats.
     """
-    import torch
 
-    tensor = torch.from_numpy(array)
-    return tensor.view(torch.bfloat16) if dtype == "bfloat16" else tensor
+    path: Path
+    meta: DumpMeta
+    aux: np.ndarray
+    final: np.ndarray
+
+
+def to_torch(bits: np.ndarray, dtype: str) -> torch.Tensor:
+    """View an array of raw bits as a torch tensor of protocol dtype ``dtype`` without copying."""
+    return dtype_spec(dtype).tensor_of(bits)
+
+
+def read_dump(
+    path: str | os.PathLike[str],
+    *,
+    sample_id: str | None = None,
+    rid: str | None = None,
+    check: Callable[[DumpMeta], None] | None = None,
+) -> Dump:
+    """Read the published dump at ``path`` and check its files and values.
+
+    Args:
+        path: The dump's directory (``req_<rid>``).
+        sample_id: Named in errors.
+        rid: The request id (named in errors); by default the directory's.
+        check: Called with the metadata before any tensor is read; raises to refuse the dump.
+
+    Raises:
+        DumpFailed: The producer published an ``error`` marker.
+        DumpValidationError: The dump is incomplete, a link or holds one, its metadata is malformed,
+            a file's size differs from its shape, or a value is non-finite or a row all zeros.
+    """
+    path = Path(path)
+    rid = rid or path.name.removeprefix(REQ_PREFIX)
+    with open_dump_dir(path, sample_id=sample_id, rid=rid) as dir_fd:
+        meta = read_meta(path, sample_id=sample_id, dir_fd=dir_fd)
+        if check is not None:
+            check(meta)
+        context: dict[str, Any] = {"sample_id": sample_id, "rid": rid, "dir_fd": dir_fd}
+        aux = read_checked(
+            path / AUX_FILE, meta.aux_shape, meta.dtype, "aux_hidden_states", **context
+        )
+        final = read_checked(
+            path / FINAL_FILE, meta.final_shape, meta.dtype, "final_hidden_state", **context
+        )
+    return Dump(path=path, meta=meta, aux=aux, final=final)
 
 
 def load_dump(path: Path, *, sample: Sample, rid: str, expected: Expected) -> HiddenStates:
@@ -36,29 +97,22 @@ def load_dump(path: Path, *, sample: Sample, rid: str, expected: Expected) -> Hi
     The directory is opened without following a link and every file is read relative to it, so a
     dump that is a link or holds one is refused (DumpValidationError), never read.
     """
-    with open_dump_dir(path, sample_id=sample.id, rid=rid) as dir_fd:
-        return _load(path, dir_fd, sample=sample, rid=rid, expected=expected)
-
-
-def _load(path: Path, dir_fd: int, *, sample: Sample, rid: str, expected: Expected) -> HiddenStates:
     import torch
 
-    meta = read_meta(path, sample_id=sample.id, dir_fd=dir_fd)
-    validate_meta(
-        meta, path, rid=rid, input_ids=sample.input_ids, sample_id=sample.id, expected=expected
-    )
-    context: dict[str, Any] = {"sample_id": sample.id, "rid": rid, "dir_fd": dir_fd}
-    aux = read_checked(path / AUX_FILE, meta.aux_shape, meta.dtype, "aux_hidden_states", **context)
-    final = read_checked(
-        path / FINAL_FILE, meta.final_shape, meta.dtype, "final_hidden_state", **context
-    )
+    def belongs(meta: DumpMeta) -> None:
+        validate_meta(
+            meta, path, rid=rid, input_ids=sample.input_ids, sample_id=sample.id, expected=expected
+        )
+
+    dump = read_dump(path, sample_id=sample.id, rid=rid, check=belongs)
+    meta = dump.meta
     expected.remember(meta)  # only now: a refused dump must not set what the next are held to
     mask = None if sample.loss_mask is None else torch.tensor(sample.loss_mask, dtype=torch.uint8)
     return HiddenStates(
         sample_id=sample.id,
         input_ids=torch.tensor(meta.input_ids, dtype=torch.int64),
-        aux_hidden_states=to_torch(aux, meta.dtype),
-        final_hidden_state=to_torch(final, meta.dtype),
+        aux_hidden_states=to_torch(dump.aux, meta.dtype),
+        final_hidden_state=to_torch(dump.final, meta.dtype),
         layer_ids=list(meta.layer_ids),
         loss_mask=mask,
         meta=meta,

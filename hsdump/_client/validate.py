@@ -1,8 +1,9 @@
 """Always-on checks that a response and a dump belong to the sample and hold usable values.
 
 Every check raises its own :class:`~hsdump.DumpValidationError` subclass naming the sample, the
-request, what was expected and what was found. The value checks read the bf16/fp16 bits directly
-(no conversion) in cache-sized blocks as they are read from the dump, so they cost one pass.
+request, what was expected and what was found. The value checks read the floats' bits directly
+(no conversion, with the masks of :data:`~hsdump._protocol.DTYPES`) in cache-sized blocks as they
+are read from the dump, so they cost one pass.
 """
 
 from __future__ import annotations
@@ -32,15 +33,13 @@ from hsdump._protocol import (
     DumpMeta,
     ProducerManifest,
     check_file_size,
+    dtype_spec,
     open_dump_file,
-    storage_dtype,
 )
 from hsdump._run.inputs import local_model_config
 
 __all__ = ["Expected", "check_response", "read_checked", "validate_meta"]
 
-# Exponent masks of the 16-bit float formats: all ones means Inf or NaN.
-_EXP_MASK = {"bfloat16": 0x7F80, "float16": 0x7C00}
 # 2 MiB blocks: scanned while still in cache, and few enough that reading and checking a dump
 # takes ~30 GIL hand-offs (512 KiB blocks cost more CPU per dump here, and 4x the hand-offs,
 # which slowed every other thread of a busy process on 16 cores; 8 MiB blocks cost 25% more
@@ -264,8 +263,9 @@ def read_checked(
     from :func:`~hsdump._protocol.open_dump_dir`) when given.
 
     Raises unless the file holds exactly ``shape`` and every value is finite and no row (or layer
-    of a row) is all zeros. bf16 arrives as its raw bits (``uint16``: numpy has no bf16). One
-    pass: ``readinto`` a block (no page faults on a mapping), then scan it from cache.
+    of a row) is all zeros. The values arrive as their raw bits (``uint16`` for bf16 and fp16,
+    ``uint32`` for fp32: :attr:`~hsdump._protocol.DtypeSpec.bits`). One pass: ``readinto`` a
+    block (no page faults on a mapping), then scan it from cache.
     """
     if min(shape, default=0) < 0:
         raise ShapeMismatch(
@@ -273,7 +273,7 @@ def read_checked(
         )
     # The file must hold the claimed bytes before any are allocated: a lying meta.json could
     # otherwise ask for terabytes.
-    np_dtype = storage_dtype(dtype)
+    np_dtype = dtype_spec(dtype).bits_dtype
     check_file_size(file, math.prod(shape) * np_dtype.itemsize, shape, sample_id=sample_id, rid=rid)
     out = np.empty(shape, np_dtype)
     if not out.size:
@@ -331,16 +331,13 @@ def _check_block(
 
 def _scan_block(block: np.ndarray, dtype: str) -> tuple[int | None, int | None]:
     """First row with a non-finite value, and first row with an all-zero vector, in ``block``."""
-    if dtype in _EXP_MASK:
-        # Without the sign bit, a 16-bit float's bits order like its magnitude, and its exponent
-        # is all ones (Inf/NaN) exactly when they reach the mask: one max per vector finds both.
-        peak = np.bitwise_and(block.view(np.uint16), 0x7FFF).max(axis=-1)
-        if peak.size and peak.max() < _EXP_MASK[dtype] and peak.min() > 0:
-            return None, None  # the usual case, settled on the small array of peaks
-        nonfinite, nonzero = peak >= _EXP_MASK[dtype], peak > 0  # -0.0 counts as zero
-    else:
-        nonfinite = ~np.isfinite(block).all(axis=-1)
-        nonzero = block.any(axis=-1)
+    spec = dtype_spec(dtype)
+    # Without the sign bit, a float's bits order like its magnitude, and its exponent is all
+    # ones (Inf/NaN) exactly when they reach the mask: one max per vector finds both.
+    peak = np.bitwise_and(block, spec.magnitude_mask).max(axis=-1)
+    if peak.size and peak.max() < spec.exponent_mask and peak.min() > 0:
+        return None, None  # the usual case, settled on the small array of peaks
+    nonfinite, nonzero = peak >= spec.exponent_mask, peak > 0  # -0.0 counts as zero
     bad_rows = nonfinite.reshape(block.shape[0], -1).any(axis=1)
     zero_rows = ~nonzero.reshape(block.shape[0], -1).all(axis=1)
     return _first(np.asarray(bad_rows)), _first(np.asarray(zero_rows))

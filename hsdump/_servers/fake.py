@@ -19,9 +19,11 @@ import numpy as np
 from hsdump._protocol import (
     DEFAULT_RID_PREFIX,
     Capabilities,
+    DType,
     DumpMeta,
     ProducerInfo,
     ProducerManifest,
+    dtype_spec,
     is_opted_in,
     write_dump,
     write_error,
@@ -71,9 +73,9 @@ class Fault:
 
 
 def fake_states(
-    input_ids: Sequence[int], layer_ids: Sequence[int], hidden_size: int
+    input_ids: Sequence[int], layer_ids: Sequence[int], hidden_size: int, dtype: str = "bfloat16"
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Deterministic bf16 states (as uint16 bits) that depend on each token and its position.
+    """Deterministic states (as the raw bits of ``dtype``) that depend on each token and position.
 
     Returns ``aux [T, K, H]`` and ``final [T, H]``; two samples with different tokens differ.
     """
@@ -82,13 +84,8 @@ def fake_states(
     layers = np.asarray([*layer_ids, -1], dtype=np.float32)[None, :, None]
     h = np.arange(hidden_size, dtype=np.float32)[None, None, :]
     values = np.sin(ids * 0.731 + pos * 0.0173 + layers * 1.37 + h * 0.21) * 2.0 + 0.01
-    bits = _to_bf16_bits(values)
+    bits = dtype_spec(dtype).from_float32(values)
     return np.ascontiguousarray(bits[:, :-1]), np.ascontiguousarray(bits[:, -1])
-
-
-def _to_bf16_bits(values: np.ndarray) -> np.ndarray:
-    u = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
 
 
 class FakeEngine:
@@ -104,10 +101,12 @@ class FakeEngine:
         server_info: dict[str, Any],
         fault_for: Callable[[str, list[int]], Fault | None] | None,
         pool_tokens: int = 0,
+        dtype: DType = "bfloat16",
     ):
         self.dump_dir = dump_dir
         self.layer_ids = list(layer_ids)
         self.hidden_size = hidden_size
+        self.dtype: DType = dtype
         self.latency = latency
         self.info = server_info
         self.fault_for = fault_for
@@ -115,7 +114,7 @@ class FakeEngine:
         self.received: list[GenerateRequest] = []
         self.dumped: list[str] = []
         self._background: set[asyncio.Task[None]] = set()
-        self._pool = _random_pool(pool_tokens, len(self.layer_ids) + 1, hidden_size)
+        self._pool = _random_pool(pool_tokens, len(self.layer_ids) + 1, hidden_size, dtype)
 
     def server_info(self) -> dict[str, Any]:
         """See :class:`hsdump._servers.http_app.Engine`."""
@@ -175,7 +174,7 @@ class FakeEngine:
         dumped_ids = _corrupt_ids(ids, fault)
         layers = [i + 1 for i in self.layer_ids] if fault.kind == "wrong_layers" else self.layer_ids
         aux, final = self._states(dumped_ids, layers)
-        aux = _corrupt_values(aux, fault)
+        aux = _corrupt_values(aux, fault, self.dtype)
         t, k, h = aux.shape
         meta = DumpMeta(
             rid=rid,
@@ -184,7 +183,7 @@ class FakeEngine:
             layer_ids=layers,
             final_norm="post_norm",
             hidden_size=h,
-            dtype="bfloat16",
+            dtype=self.dtype,
             aux_shape=(t, k, h),
             final_shape=(t, h),
             producer=PRODUCER,
@@ -196,17 +195,19 @@ class FakeEngine:
 
     def _states(self, ids: list[int], layers: list[int]) -> tuple[np.ndarray, np.ndarray]:
         if self._pool is None or len(ids) > self._pool[0].shape[0]:
-            return fake_states(ids, layers, self.hidden_size)
+            return fake_states(ids, layers, self.hidden_size, self.dtype)
         aux, final = self._pool
         return aux[: len(ids)], final[: len(ids)]
 
 
-def _random_pool(tokens: int, layers: int, hidden: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """Random-normal bf16 states to slice from, for benchmarks (generating states is free)."""
+def _random_pool(
+    tokens: int, layers: int, hidden: int, dtype: str
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Random-normal states to slice from, for benchmarks (generating states is free)."""
     if tokens <= 0:
         return None
     values = np.random.default_rng(0).standard_normal((tokens, layers, hidden), dtype=np.float32)
-    bits = _to_bf16_bits(values)
+    bits = dtype_spec(dtype).from_float32(values)
     return np.ascontiguousarray(bits[:, :-1]), np.ascontiguousarray(bits[:, -1])
 
 
@@ -225,12 +226,12 @@ def _corrupt_ids(ids: list[int], fault: Fault) -> list[int]:
     return ids
 
 
-def _corrupt_values(aux: np.ndarray, fault: Fault) -> np.ndarray:
+def _corrupt_values(aux: np.ndarray, fault: Fault, dtype: str) -> np.ndarray:
     if fault.kind not in ("nan", "zero_row"):
         return aux
     aux = aux.copy()
     if fault.kind == "nan":
-        aux[-1, 0, 0] = 0x7FC0  # bf16 quiet NaN
+        aux[-1, 0, 0] = dtype_spec(dtype).from_float32(np.float32(np.nan))
     else:
         aux[0, -1, :] = 0
     return aux
@@ -257,6 +258,7 @@ class FakeServer(SGLangCompatibleServer):
         fault_for: Called with (rid, input_ids) of each opted-in request without a queued fault.
         pool_tokens: When positive, dumps slice states from a pre-generated random pool of this
             many tokens instead of computing them from the token ids (fast, for benchmarks).
+        dtype: The protocol dtype of the dumps (and of the manifest).
     """
 
     def __init__(
@@ -271,6 +273,7 @@ class FakeServer(SGLangCompatibleServer):
         announce: bool = True,
         fault_for: Callable[[str, list[int]], Fault | None] | None = None,
         pool_tokens: int = 0,
+        dtype: DType = "bfloat16",
         host: str = "127.0.0.1",
         port: int = 0,
     ):
@@ -289,6 +292,7 @@ class FakeServer(SGLangCompatibleServer):
             server_info=info,
             fault_for=fault_for,
             pool_tokens=pool_tokens,
+            dtype=dtype,
         )
         self._manifest_path: Path | None = None
         super().__init__(self.engine, host=host, port=port)
@@ -312,7 +316,7 @@ class FakeServer(SGLangCompatibleServer):
                 layer_ids=self.engine.layer_ids,
                 final_norm="post_norm",
                 hidden_size=self.engine.hidden_size,
-                dtype="bfloat16",
+                dtype=self.engine.dtype,
                 model_path="fake",
                 capabilities=self.capabilities,
             )

@@ -22,10 +22,12 @@ import anyio.to_thread
 from hsdump._exceptions import ConfigError
 from hsdump._protocol import (
     Capabilities,
+    DType,
     DumpMeta,
     ProducerInfo,
     ProducerManifest,
     default_dump_dir,
+    dtype_spec,
     is_opted_in,
     write_dump,
     write_error,
@@ -164,6 +166,7 @@ class ReferenceEngine:
         dump_dir: The dump root.
         layer_ids: Aux layer ids (``hidden_states`` indices); SGLang's default when None.
         model_path: What to report as the model path.
+        dtype: The protocol dtype the states are dumped in (bf16, as SGLang serves models).
     """
 
     def __init__(
@@ -173,6 +176,7 @@ class ReferenceEngine:
         dump_dir: str | os.PathLike[str],
         layer_ids: list[int] | None = None,
         model_path: str = "",
+        dtype: DType = "bfloat16",
     ):
         config = model.config
         self.model = model
@@ -183,6 +187,7 @@ class ReferenceEngine:
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 4096)
         self.layer_ids = self._check_layers(layer_ids)
         self.model_path = model_path
+        self.dtype = dtype_spec(dtype)
         self.producer = ProducerInfo(name=PRODUCER_NAME, version=_version())
         self._lock = threading.Lock()  # one forward pass at a time, as one GPU would run them
         self._in_flight: set[str] = set()
@@ -205,7 +210,7 @@ class ReferenceEngine:
             layer_ids=self.layer_ids,
             final_norm="post_norm",
             hidden_size=self.hidden_size,
-            dtype="bfloat16",
+            dtype=self.dtype.name,
             model_path=self.model_path,
             # No prefix cache and no chunking: a capture always covers the whole prompt.
             capabilities=Capabilities(chunked_prefill_assembly=False, prefix_cache_guard=True),
@@ -292,14 +297,11 @@ class ReferenceEngine:
             return self._decode(ids, max_new_tokens)
 
     def _capture(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        import torch
-
         aux, final = capture_states(self.model, ids, self.layer_ids)
-        return aux.to(torch.bfloat16).cpu(), final.to(torch.bfloat16).cpu()
+        dtype = self.dtype.torch_dtype()
+        return aux.to(dtype).cpu(), final.to(dtype).cpu()
 
     def _dump(self, rid: str, ids: list[int], aux: torch.Tensor, final: torch.Tensor) -> None:
-        import torch
-
         meta = DumpMeta(
             rid=rid,
             input_ids=ids,
@@ -307,13 +309,13 @@ class ReferenceEngine:
             layer_ids=self.layer_ids,
             final_norm="post_norm",
             hidden_size=self.hidden_size,
-            dtype="bfloat16",
+            dtype=self.dtype.name,
             aux_shape=(len(ids), len(self.layer_ids), self.hidden_size),
             final_shape=(len(ids), self.hidden_size),
             producer=self.producer,
             model_path=self.model_path,
         )
-        bits = [t.contiguous().view(torch.uint16).numpy() for t in (aux, final)]
+        bits = [self.dtype.bits_of(t) for t in (aux, final)]
         write_dump(self.dump_dir, meta, bits[0], bits[1])
 
     def _decode(self, ids: list[int], max_new_tokens: int) -> list[int]:
@@ -346,6 +348,7 @@ class ReferenceServer:
         port: TCP port; 0 picks a free one.
         layer_ids: Aux layer ids (``hidden_states`` indices); SGLang's default when None.
         device: ``"cpu"``, ``"cuda"``...; a GPU when one is present, else the CPU.
+        dtype: The protocol dtype the states are dumped in.
     """
 
     def __init__(
@@ -357,6 +360,7 @@ class ReferenceServer:
         port: int = 0,
         layer_ids: list[int] | None = None,
         device: str | None = None,
+        dtype: DType = "bfloat16",
     ):
         self.dump_dir = Path(dump_dir) if dump_dir is not None else default_dump_dir()
         self.device = device or _default_device()
@@ -365,6 +369,7 @@ class ReferenceServer:
             dump_dir=self.dump_dir,
             layer_ids=layer_ids,
             model_path=self._model_path(model),
+            dtype=dtype,
         )
         self._http = SGLangCompatibleServer(self.engine, host=host, port=port)
         self._manifest_path: Path | None = None

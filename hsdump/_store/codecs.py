@@ -1,9 +1,9 @@
 """How hidden states become zarr bytes: bit views of float tensors, chunk shapes and codecs.
 
 zarr has no bfloat16 data type, so the store keeps the raw bits of every float as an unsigned
-integer of the same width (``uint16`` for bf16/fp16, ``uint32`` for fp32) and names the logical
-dtype in the array's attributes. Every zarr v3 reader can open such an array, and the conversion is
-a zero-copy view in both directions.
+integer of the same width, as the dump protocol's readers do (the one table of dtypes is
+:data:`hsdump._protocol.DTYPES`), and names the logical dtype in the array's attributes. Every zarr
+v3 reader can open such an array, and the conversion is a zero-copy view in both directions.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from hsdump._exceptions import InputError
+from hsdump._protocol import dtype_of_torch, dtype_spec
 
 if TYPE_CHECKING:
     import torch
@@ -31,7 +32,6 @@ __all__ = [
 
 Compression = Literal["zstd", "lz4", "none"]
 
-_BITS_DTYPE = {"bfloat16": np.uint16, "float16": np.uint16, "float32": np.uint32}
 # Blosc's default block at clevel 1 is 32 KiB, which mixes exponent and mantissa bytes in one
 # zstd block and loses most of the gain (1.26x instead of 1.44x on real activations).
 _BLOSC_BLOCKSIZE = 1 << 20
@@ -40,38 +40,22 @@ _TARGET_CHUNK_BYTES = 2 << 20
 
 def torch_dtype_name(tensor: torch.Tensor) -> str:
     """The logical dtype name of a float tensor (``bfloat16``, ``float16`` or ``float32``)."""
-    name = str(tensor.dtype).removeprefix("torch.")
-    if name not in _BITS_DTYPE:
-        raise InputError(
-            f"hidden states must be bfloat16, float16 or float32, found {name}: "
-            "cast them before writing"
-        )
-    return name
+    return dtype_of_torch(tensor.dtype).name
 
 
 def bits_dtype(logical: str) -> np.dtype[Any]:
     """The unsigned integer dtype that stores the bits of ``logical``."""
-    return np.dtype(_BITS_DTYPE[logical])
+    return dtype_spec(logical).bits_dtype
 
 
 def tensor_to_bits(tensor: torch.Tensor) -> np.ndarray:
     """A CPU, contiguous numpy view of ``tensor``'s bits (a copy only off-device or if strided)."""
-    import torch
-
-    t = tensor.detach().to("cpu").contiguous()
-    if t.element_size() == 2:
-        return t.view(torch.uint16).numpy()
-    return t.view(torch.int32).numpy().view(np.uint32)
+    return dtype_of_torch(tensor.dtype).bits_of(tensor)
 
 
 def bits_to_tensor(bits: np.ndarray, logical: str) -> torch.Tensor:
     """Reinterpret stored bits as a tensor of dtype ``logical`` without copying."""
-    import torch
-
-    target = getattr(torch, logical)
-    if bits.dtype == np.uint16:
-        return torch.from_numpy(bits).view(target)
-    return torch.from_numpy(bits.view(np.int32)).view(target)
+    return dtype_spec(logical).tensor_of(bits)
 
 
 def chunk_tokens_for(row_bytes: int, shard_tokens: int) -> int:
