@@ -19,7 +19,8 @@ import httpx
 import numpy as np
 import torch
 
-from hsdump._protocol import read_dump, request_dir
+from hsdump._client.loading import read_dump
+from hsdump._protocol import request_dir
 
 
 def generate(url: str, ids: list[int], rid: str, extra_key: str | None) -> dict:
