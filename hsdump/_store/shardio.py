@@ -9,6 +9,7 @@ that caps writes at ~250 MB/s, against ~650 MB/s for the same codec run on a thr
 
 from __future__ import annotations
 
+import atexit
 import os
 import struct
 import uuid
@@ -37,17 +38,31 @@ _SHUFFLE = {"shuffle": 1, "bitshuffle": 2, "noshuffle": 0}
 
 @cache
 def codec_pool() -> ThreadPoolExecutor:
-    """The process-wide pool for codec and statistics work (one thread per core it may use)."""
+    """The process-wide pool for codec and statistics work (one thread per core it may use),
+    made on first use; :func:`shutdown_codec_pool` stops it, also at interpreter exit."""
     import numcodecs.blosc
 
     # Without this, Blosc on a thread other than the main one may take its global context and
     # lock: the pool's encodes then ran one at a time (1.0 core busy on 2 threads).
     numcodecs.blosc.use_threads = False
+    _hook_process()
     return ThreadPoolExecutor(max_workers=max(2, cores()), thread_name_prefix="hsdump-codec")
 
 
-# A forked child (a DataLoader worker) inherits the pool object but not its threads.
-os.register_at_fork(after_in_child=codec_pool.cache_clear)
+@cache
+def _hook_process() -> None:
+    """Once, when the first pool is made: nothing is registered at import."""
+    # A forked child (a DataLoader worker) inherits the pool object but not its threads.
+    os.register_at_fork(after_in_child=codec_pool.cache_clear)
+    atexit.register(shutdown_codec_pool)
+
+
+def shutdown_codec_pool() -> None:
+    """Stop the codec pool's threads once its work is done; the next use makes a new pool."""
+    if codec_pool.cache_info().currsize:
+        pool = codec_pool()
+        codec_pool.cache_clear()
+        pool.shutdown(wait=True)
 
 
 def _crc32c(data: bytes | memoryview) -> int:
