@@ -101,3 +101,14 @@ def test_import_hsdump_does_not_load_pydantic_settings() -> None:
 def test_docs_list_every_variable_in_one_table() -> None:
     rows = re.findall(r"^\| `(HSDUMP_[A-Z_]+)` \|", DOCS.read_text(encoding="utf-8"), re.M)
     assert sorted(rows) == sorted(f"HSDUMP_{name.upper()}" for name in Settings.model_fields)
+
+
+def test_a_client_given_no_dump_root_takes_hsdump_dump_dir(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from hsdump import HiddenStateClient
+
+    monkeypatch.setenv("HSDUMP_DUMP_DIR", str(tmp_path))
+    assert HiddenStateClient("http://127.0.0.1:9").dump_dir == tmp_path
+    monkeypatch.setenv("HSDUMP_DUMP_DIR", "")
+    assert HiddenStateClient("http://127.0.0.1:9").dump_dir == Path("/dev/shm/hsdump")

@@ -42,12 +42,12 @@ from hsdump._exceptions import (
 from hsdump._protocol import (
     DEFAULT_RID_PREFIX,
     ProducerManifest,
-    default_dump_dir,
     dtype_itemsize,
     read_manifests,
     remove_dump,
     request_dir,
 )
+from hsdump._settings import settings
 from hsdump._types import Sample
 
 if TYPE_CHECKING:
@@ -144,7 +144,7 @@ class HiddenStateClient:
         if max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self.base_url = base_url.rstrip("/")
-        self.dump_dir = Path(dump_dir) if dump_dir is not None else default_dump_dir()
+        self.dump_dir = Path(dump_dir) if dump_dir is not None else settings().dump_dir
         self.max_in_flight = max_in_flight
         self.request_timeout = request_timeout
         self.dump_timeout = dump_timeout
