@@ -9,6 +9,7 @@ The tree::
 
     HsdumpError
     ├── ConfigError (ValueError)            bad settings or arguments
+    │   └── InvalidRequestId                      a request id that cannot name a dump
     ├── InputError (ValueError)             a bad sample or dataset line
     ├── ServerError                         talking to the inference server
     │   ├── ServerUnavailable (ConnectionError)   refused, reset, unreachable       [transient]
@@ -16,6 +17,7 @@ The tree::
     │   ├── ServerResponseError                   a non-2xx status or a malformed body
     │   │                                         (5xx are transient, 4xx are not)
     │   ├── ServerNotDumping                      no producer manifest in the dump root
+    │   ├── ServerStartError (RuntimeError)       a server hsdump runs could not start
     │   └── ServerConfigError                     settings that would truncate captures
     ├── DumpError                           a request's dump
     │   ├── DumpTimeout (TimeoutError)            the dump never completed         [transient]
@@ -52,6 +54,7 @@ __all__ = [
     "ExportError",
     "HsdumpError",
     "InputError",
+    "InvalidRequestId",
     "LayerMismatch",
     "NonFiniteValues",
     "ProvenanceMismatch",
@@ -62,6 +65,7 @@ __all__ = [
     "ServerError",
     "ServerNotDumping",
     "ServerResponseError",
+    "ServerStartError",
     "ServerTimeout",
     "ServerUnavailable",
     "ShapeMismatch",
@@ -76,6 +80,7 @@ class HsdumpError(Exception):
     """Base class of every hsdump error.
 
     Attributes:
+        message: What went wrong, without the ``[sample ..., request ...]`` prefix of ``str()``.
         sample_id: The sample being processed, when known.
         rid: The request id sent to the server, when known.
         transient: Whether a retry with a fresh request may succeed.
@@ -84,6 +89,7 @@ class HsdumpError(Exception):
     transient: bool = False
 
     def __init__(self, message: str, *, sample_id: str | None = None, rid: str | None = None):
+        self.message = message
         self.sample_id = sample_id
         self.rid = rid
         context = ", ".join(
@@ -96,6 +102,10 @@ class HsdumpError(Exception):
 
 class ConfigError(HsdumpError, ValueError):
     """A setting or argument is invalid."""
+
+
+class InvalidRequestId(ConfigError):
+    """A request id is not safe as a dump's directory name."""
 
 
 class InputError(HsdumpError, ValueError):
@@ -136,6 +146,10 @@ class ServerResponseError(ServerError):
 
 class ServerNotDumping(ServerError):
     """No producer has announced itself in the dump root: the server is not dumping there."""
+
+
+class ServerStartError(ServerError, RuntimeError):
+    """A server that hsdump runs itself (the reference or fake server) did not start serving."""
 
 
 class ServerConfigError(ServerError):

@@ -46,6 +46,7 @@ from hsdump._exceptions import (
     DumpFailed,
     DumpValidationError,
     InputError,
+    InvalidRequestId,
     ServerNotDumping,
 )
 
@@ -246,15 +247,20 @@ def dtype_itemsize(dtype: str) -> int:
 
 
 def validate_rid(rid: str) -> str:
-    """Return ``rid`` if it is safe as a path component, else raise ``ValueError``.
+    """Return ``rid`` if it is safe as a path component.
 
     A rid is 1-200 characters of ``[A-Za-z0-9._-]`` starting with a letter or digit, so it can never
     name a parent directory or escape the dump root.
+
+    Raises:
+        InvalidRequestId: ``rid`` is not such a name (a ``ValueError`` too).
     """
     if not isinstance(rid, str) or not _RID_RE.fullmatch(rid):
-        raise ValueError(
-            f"request id {rid!r} is not a valid dump name: use 1-200 characters of [A-Za-z0-9._-] "
-            "starting with a letter or digit"
+        shown = rid if not isinstance(rid, str) or len(rid) <= 60 else f"{rid[:60]}..."
+        raise InvalidRequestId(
+            f"request id {shown!r} is not a valid dump name: use 1-200 characters of "
+            "[A-Za-z0-9._-] starting with a letter or digit (a producer dumps only such ids, "
+            "so choose the rid prefix and ids within them)"
         )
     return rid
 

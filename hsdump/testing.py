@@ -26,7 +26,7 @@ import pytest
 from anyio.abc import TaskGroup
 
 from hsdump._client.watcher import DumpWatcher
-from hsdump._exceptions import DumpTimeout
+from hsdump._exceptions import DumpTimeout, InvalidRequestId
 from hsdump._protocol import DumpWriter, ProducerInfo, request_dir, write_error
 from hsdump._servers.fake import FakeEngine, FakeServer, Fault, FaultKind, fake_states
 
@@ -232,7 +232,7 @@ class DumpWatcherTests:
     @pytest.mark.anyio
     async def test_refuses_a_rid_that_would_escape_the_root(self, watcher: DumpWatcher) -> None:
         for bad in ("../etc", "a/b", "", ".hidden"):
-            with pytest.raises(ValueError):
+            with pytest.raises(InvalidRequestId):
                 await watcher.wait(bad, timeout=0.1)
 
     @pytest.mark.anyio

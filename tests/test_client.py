@@ -650,3 +650,17 @@ async def test_fp16_and_fp32_dumps_reach_the_store_bit_exact(tmp_path: Path, dty
     assert stats[0].count == values.numel() and stats[0].non_finite == 0
     assert stats[0].max_abs == pytest.approx(float(values.abs().max()))
     assert stats[0].mean == pytest.approx(float(values.mean()), rel=1e-5)
+
+
+def test_a_server_on_a_taken_port_raises_server_start_error_naming_it(tmp_path: Path) -> None:
+    import socket
+
+    from hsdump._exceptions import ServerError, ServerStartError
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        server = FakeServer(tmp_path, port=port)
+        with pytest.raises(ServerStartError, match=f"127.0.0.1:{port}: Address already in use"):
+            server.start()
+        server.stop()
+    assert issubclass(ServerStartError, ServerError) and issubclass(ServerStartError, RuntimeError)

@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hsdump import DumpFailed, DumpValidationError, ServerNotDumping
+from hsdump import DumpFailed, DumpValidationError, HsdumpError, ServerNotDumping
 from hsdump._client.loading import read_dump, to_torch
+from hsdump._exceptions import InvalidRequestId
 from hsdump._protocol import (
     DTYPES,
     Capabilities,
@@ -223,9 +224,10 @@ def test_a_fifo_in_a_files_place_is_refused_without_blocking(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("rid", ["../x", "a/b", "", ".x", "x" * 201, "a b", "..", "-x"])
-def test_unsafe_rids_are_refused(rid: str) -> None:
-    with pytest.raises(ValueError):
+def test_unsafe_rids_are_refused_with_an_hsdump_error(rid: str) -> None:
+    with pytest.raises(InvalidRequestId, match="is not a valid dump name") as info:
         validate_rid(rid)
+    assert isinstance(info.value, HsdumpError) and isinstance(info.value, ValueError)
     assert not is_opted_in(rid, prefix="")
 
 

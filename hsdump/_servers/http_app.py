@@ -10,6 +10,7 @@ loopback to the same endpoints a real SGLang server offers: ``POST /generate``, 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from typing import Any, Protocol
@@ -20,6 +21,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
+
+from hsdump._exceptions import ServerStartError
 
 __all__ = [
     "DropConnection",
@@ -167,7 +170,12 @@ class SGLangCompatibleServer:
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 30.0) -> None:
-        """Start serving; returns once the socket accepts connections."""
+        """Start serving; returns once the socket accepts connections.
+
+        Raises:
+            ServerStartError: The server exited before serving (the port is taken, the host is not
+                an address of this machine) or did not start within ``timeout`` seconds.
+        """
         import uvicorn
 
         config = uvicorn.Config(
@@ -179,15 +187,31 @@ class SGLangCompatibleServer:
             lifespan="off",
         )
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="hsdump-http", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name="hsdump-http", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the HTTP server on {self.host}:{self.port} did not start")
+            if not self._thread.is_alive():
+                raise ServerStartError(
+                    f"the HTTP server could not listen on {self.host}:{self.port}"
+                    f"{_bind_problem(self.host, self.port)}. Choose another port (0 picks a free "
+                    "one) or a host that is an address of this machine"
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerStartError(
+                    f"the HTTP server on {self.host}:{self.port} did not start serving within "
+                    f"{timeout:g} s: the machine may be overloaded; raise the start timeout"
+                )
             time.sleep(0.01)
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
         logger.info("serving on %s", self.url)
+
+    def _serve(self) -> None:
+        try:
+            self._server.run()
+        except SystemExit:
+            pass  # uvicorn exits when it cannot listen; start() reports why
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop serving and join the thread."""
@@ -203,3 +227,15 @@ class SGLangCompatibleServer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+
+def _bind_problem(host: str, port: int) -> str:
+    """Why ``host:port`` cannot be listened on, as ``": reason"`` (empty if it now can)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            probe.bind((host, port))
+    except OSError as exc:
+        return f": {exc.strerror or exc}"
+    return ""
