@@ -158,15 +158,12 @@ def _create_root(store: Any, where: str) -> zarr.Group | None:
 
 def child_groups(root: zarr.Group) -> list[str]:
     """Names of the root's children that hold a ``zarr.json``, without decoding any of them."""
-    from zarr.core.sync import sync
+    from hsdump._store import zarr_adapter
 
-    store, path = root.store, root.store_path.path
+    store, path = root.store, root.path
     prefix = f"{path}/" if path else ""
-
-    async def names() -> list[str]:
-        return [n async for n in store.list_dir(path)]
-
-    return [n for n in sync(names()) if sync(store.exists(f"{prefix}{n}/zarr.json"))]
+    names = zarr_adapter.list_dir(store, path)
+    return [n for n in names if zarr_adapter.exists(store, f"{prefix}{n}/zarr.json")]
 
 
 def _is_local(path: Any) -> bool:
@@ -227,7 +224,7 @@ def ids_int32(hs: HiddenStates) -> np.ndarray:
 def local_dir(root: zarr.Group) -> Path | None:
     """The directory of a group in a local store (None for any other store)."""
     base = local_root(root.store)
-    return None if base is None else base / root.store_path.path
+    return None if base is None else base / root.path
 
 
 def local_root(store: Any) -> Path | None:

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hsdump._exceptions import StoreError
 from hsdump._settings import settings
+from hsdump._store import zarr_adapter
 from hsdump._store.objstore import call_s3, dependency_error, error_code, s3_location
 
 __all__ = ["DEFAULT_TTL_S", "Lease", "LeaseHolder", "lease_ttl"]
@@ -163,8 +164,6 @@ class Lease:
         return str(out["ETag"])
 
     def _read(self) -> _Found | None:
-        from zarr.core.sync import sync
-
         async def get() -> tuple[bytes, dict[str, Any]]:
             resp = await self._store.fs._call_s3(
                 "get_object", Bucket=self._bucket, Key=self._object
@@ -176,7 +175,7 @@ class Lease:
                 body.close()
 
         try:
-            data, resp = sync(get())
+            data, resp = zarr_adapter.run(get())
         except FileNotFoundError:
             return None
         date = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")

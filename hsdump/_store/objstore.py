@@ -200,9 +200,9 @@ def s3_location(store: Any) -> S3Location | None:
 
 def call_s3(store: Any, method: str, **kwargs: Any) -> Any:
     """One S3 API call through the store's s3fs client, on zarr's event loop (blocking)."""
-    from zarr.core.sync import sync
+    from hsdump._store import zarr_adapter
 
-    return sync(store.fs._call_s3(method, **kwargs))
+    return zarr_adapter.run(store.fs._call_s3(method, **kwargs))
 
 
 def check_bucket(store: Any, location: S3Location) -> None:

@@ -38,8 +38,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hsdump._cores import cores
-from hsdump._store import zarr_adapter
 from hsdump._settings import settings
+from hsdump._store import zarr_adapter
 from hsdump._store.codecs import bits_dtype, hidden_compressors, small_compressors
 from hsdump._store.integrity import (
     COMMITTED_SAMPLES_KEY,

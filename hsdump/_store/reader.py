@@ -10,8 +10,12 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from hsdump._exceptions import StoreCorruptedError, StoreError
+from hsdump._store.backend import os_error
 from hsdump._store.codecs import bits_dtype, bits_to_tensor
+from hsdump._store.integrity import damaged
 from hsdump._store.objstore import dependency_error
+from hsdump._store.shardio import DAMAGED
+from hsdump._store.zarr_adapter import UnsupportedArrayError
 
 if TYPE_CHECKING:
     import zarr
@@ -87,33 +91,70 @@ class PartReader:
             g: Any = self._root[self.index.name]
             hidden, ids, mask = (open_array(g, k, self._where) for k in _SAMPLE_ARRAYS)
             assert self.index.state.layout is not None
-            shards = ShardIO(hidden, self.index.state.layout)
-            self._arrays = (shards, FlatChunks(ids), FlatChunks(mask))
+            try:
+                shards = ShardIO(hidden, self.index.state.layout)
+                self._arrays = (shards, FlatChunks(ids), FlatChunks(mask))
+            except UnsupportedArrayError as exc:
+                raise damaged(f"{self._where}/{self.index.name}", str(exc)) from exc
             shards.stable_below = self._committed_end
         return self._arrays
 
-    def read_raw(self, row: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """The stored bits ``[T, K+1, H]``, int32 ids and uint8 mask (or None) of a row."""
+    def read_raw(
+        self, row: int, holes: list[str] | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """The stored bits ``[T, K+1, H]``, int32 ids and uint8 mask (or None) of a row.
+
+        Rows of a shard or chunk that is not stored read as zeros, and its key is appended to
+        ``holes`` (zarr leaves out chunks that hold only the fill value).
+
+        Raises:
+            ChunkDecodeError: A chunk does not decode.
+            ShardIndexError: A shard's index fails its checksum.
+        """
         offset, length, has_mask, _ = (int(v) for v in self.index.rows[row])
         shards, ids, mask = self._open()
         stop = offset + length
         assert self.index.state.layout is not None
-        bits = shards.read(offset, stop, bits_dtype(self.index.state.layout.dtype))
+        bits = shards.read(offset, stop, bits_dtype(self.index.state.layout.dtype), holes)
         return bits, ids.read(offset, stop), mask.read(offset, stop) if has_mask else None
 
     def checksum_error(self, row: int) -> str | None:
         """Why a row's stored bytes are bad, or None when they match the checksum."""
+        holes: list[str] = []
         try:
-            bits, ids, mask = self.read_raw(row)
-        except Exception as exc:  # any decode failure means the bytes are damaged
-            if (failed := dependency_error(exc, self._where)) is not None:
-                raise failed from exc  # S3 or the network failed: nothing says they are
+            raw = self.read_raw(row, holes)
+        except DAMAGED as exc:
             return f"cannot decode: {type(exc).__name__}: {exc}"
-        crc = zlib.crc32(ids.data, zlib.crc32(np.ascontiguousarray(bits).data))
-        if mask is not None:
-            crc = zlib.crc32(mask.data, crc)
-        expected = int(self.index.rows[row, 3])
-        return None if crc == expected else f"checksum {crc:#010x} != committed {expected:#010x}"
+        except OSError as exc:  # the disk or S3 failed: nothing says the bytes are bad
+            raise os_error(exc, self._where) from exc
+        except Exception as exc:
+            if (failed := dependency_error(exc, self._where)) is not None:
+                raise failed from exc
+            raise  # not about the stored bytes: a bug is raised as itself
+        reason = _mismatch(raw, int(self.index.rows[row, 3]))
+        if reason is not None and holes:
+            return f"{reason}; not stored (read as zeros): {', '.join(holes)}"
+        return reason
+
+    def _read_checked(self, row: int, sid: str, where: str) -> tuple[Any, Any, Any]:
+        """:meth:`read_raw` with hsdump's errors; rows read as zeros are checked."""
+        holes: list[str] = []
+        try:
+            raw = self.read_raw(row, holes)
+        except StoreCorruptedError as exc:  # damaged metadata: the message names the file
+            raise StoreCorruptedError(str(exc), sample_id=sid) from exc
+        except DAMAGED as exc:
+            raise _corrupted(sid, self.index.name, where, f"{type(exc).__name__}: {exc}") from exc
+        except OSError as exc:
+            raise _for_sample(os_error(exc, where), sid) from exc
+        except Exception as exc:
+            if (failed := dependency_error(exc, where)) is not None:
+                raise _for_sample(failed, sid) from exc
+            raise  # not about the stored bytes: a bug is raised as itself
+        if holes and (reason := _mismatch(raw, int(self.index.rows[row, 3]))) is not None:
+            missing = ", ".join(holes)
+            raise _corrupted(sid, self.index.name, where, f"{missing} missing ({reason})")
+        return raw
 
     def read(self, row: int, *, verify: bool, where: str) -> HiddenStates:
         """Read a committed row as :class:`HiddenStates`; tensors are views of the decoded bits."""
@@ -124,14 +165,7 @@ class PartReader:
         sid = self.index.sample_ids[row]
         if verify and (reason := self.checksum_error(row)) is not None:
             raise _corrupted(sid, self.index.name, where, reason)
-        try:
-            bits, ids, mask = self.read_raw(row)
-        except StoreCorruptedError as exc:  # damaged metadata: the message names the file
-            raise StoreCorruptedError(str(exc), sample_id=sid) from exc
-        except Exception as exc:
-            if (failed := dependency_error(exc, where)) is not None:
-                raise StoreError(str(failed), sample_id=sid) from exc
-            raise _corrupted(sid, self.index.name, where, f"{type(exc).__name__}: {exc}") from exc
+        bits, ids, mask = self._read_checked(row, sid, where)
         state = self.index.state
         assert state.layout is not None and state.provenance is not None
         hidden = bits_to_tensor(bits, state.layout.dtype)
@@ -150,6 +184,20 @@ class PartReader:
                 "provenance": state.provenance.model_dump(mode="json"),
             },
         )
+
+
+def _for_sample(error: StoreError, sid: str) -> StoreError:
+    """``error`` again, of the same class, naming the sample."""
+    return type(error)(str(error), sample_id=sid)
+
+
+def _mismatch(raw: tuple[np.ndarray, np.ndarray, np.ndarray | None], expected: int) -> str | None:
+    """How the checksum of a row's bits, ids and mask differs from ``expected``, or None."""
+    bits, ids, mask = raw
+    crc = zlib.crc32(ids.data, zlib.crc32(np.ascontiguousarray(bits).data))
+    if mask is not None:
+        crc = zlib.crc32(mask.data, crc)
+    return None if crc == expected else f"checksum {crc:#010x} != committed {expected:#010x}"
 
 
 def _corrupted(sid: str, part: str, where: str, reason: str) -> StoreCorruptedError:

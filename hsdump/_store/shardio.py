@@ -2,16 +2,17 @@
 
 The bytes are exactly zarr v3's ``sharding_indexed`` format as the array's metadata declares it
 (inner chunks ``bytes`` + ``blosc``; index ``bytes`` + ``crc32c`` at the end), so any zarr reader
-opens the store. hsdump encodes and decodes the inner chunks itself because zarr-python 3.1
-encodes a shard's chunks one after another through numcodecs, which holds the GIL: on two cores
-that caps writes at ~250 MB/s, against ~650 MB/s for the same codec run on a thread pool.
+opens the store, and shards zarr wrote are read here. hsdump encodes and decodes the inner chunks
+itself because zarr-python 3.1 encodes a shard's chunks one after another through numcodecs, which
+holds the GIL: on two cores that caps writes at ~250 MB/s, against ~650 MB/s for the same codec
+run on a thread pool. What this relies on in zarr is in :mod:`hsdump._store.zarr_adapter`.
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import os
-import struct
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
@@ -21,19 +22,37 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hsdump._cores import cores
+from hsdump._store import zarr_adapter
 from hsdump._store.backend import local_root
+from hsdump._store.zarr_adapter import EMPTY, ShardIndexError, UnsupportedArrayError
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from hsdump._store.part import PartLayout
 
-__all__ = ["PARTIAL_SUFFIX", "FlatChunks", "ShardIO", "write_file_atomic"]
+__all__ = [
+    "DAMAGED",
+    "PARTIAL_SUFFIX",
+    "ChunkDecodeError",
+    "FlatChunks",
+    "ShardIO",
+    "write_file_atomic",
+]
 
-_EMPTY = np.uint64(2**64 - 1)
 _IOV_MAX = 1024  # Linux's limit on buffers per writev
 # A file being written; zarr's LocalStore uses the same suffix, and reopening a part for writing
 # removes leftovers of a killed writer (HiddenStateStore._cleanup_partials).
 PARTIAL_SUFFIX = ".partial"
 _SHUFFLE = {"shuffle": 1, "bitshuffle": 2, "noshuffle": 0}
+
+
+class ChunkDecodeError(ValueError):
+    """A stored chunk does not decode to the bytes its array declares (the file is damaged)."""
+
+
+# What stored bytes that are damaged raise when read; anything else is not about the bytes.
+DAMAGED = (ChunkDecodeError, ShardIndexError)
 
 
 @cache
@@ -65,10 +84,19 @@ def shutdown_codec_pool() -> None:
         pool.shutdown(wait=True)
 
 
-def _crc32c(data: bytes | memoryview) -> int:
-    import google_crc32c
+def _decode(codec: Any, data: Any, key: str, out: np.ndarray | None = None) -> Any:
+    """``codec.decode``; the errors numcodecs raises for damaged input become ChunkDecodeError."""
+    try:
+        return codec.decode(data, out=out) if out is not None else codec.decode(data)
+    except (RuntimeError, ValueError) as exc:  # numcodecs' answer to bytes that do not decode
+        raise ChunkDecodeError(f"{key}: {exc}") from exc
 
-    return int(google_crc32c.value(bytes(data)))
+
+def _as_rows(raw: Any, dtype: np.dtype[Any], shape: tuple[int, ...], key: str) -> np.ndarray:
+    flat = np.frombuffer(raw, dtype=dtype)
+    if flat.size != int(np.prod(shape)):
+        raise ChunkDecodeError(f"{key}: a chunk of {flat.size} values, expected {shape}")
+    return flat.reshape(shape)
 
 
 class ShardIO:
@@ -77,7 +105,8 @@ class ShardIO:
     def __init__(self, array: Any, layout: PartLayout) -> None:
         self._array = array
         self._ct = layout.chunk_tokens
-        self._per_shard = layout.shard_tokens // layout.chunk_tokens
+        self._format = zarr_adapter.shard_format(array)
+        self._per_shard = self._format.chunks_per_shard
         self._row = (layout.layers, layout.hidden_size)
         self._codec = _blosc_of(array)
         self._local_root = local_root(array.store)
@@ -86,7 +115,7 @@ class ShardIO:
         self.stable_below = 0
 
     def _key(self, shard: int) -> str:
-        return f"{self._array.path}/{self._array.metadata.encode_chunk_key((shard, 0, 0))}"
+        return zarr_adapter.chunk_key(self._array, (shard, 0, 0))
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -99,13 +128,7 @@ class ShardIO:
                 self._encode_chunk, (rows[i * self._ct : (i + 1) * self._ct] for i in range(n))
             )
         )
-        index = np.full((self._per_shard, 2), _EMPTY, dtype="<u8")
-        offset = 0
-        for i, part in enumerate(parts):
-            index[i] = (offset, len(part))
-            offset += len(part)
-        index_bytes = index.tobytes()
-        return [*parts, index_bytes, struct.pack("<I", _crc32c(index_bytes))]
+        return [*parts, *self._format.encode_index([len(p) for p in parts])]
 
     def _encode_chunk(self, chunk: np.ndarray) -> bytes | memoryview:
         data = np.ascontiguousarray(chunk)
@@ -117,79 +140,93 @@ class ShardIO:
         if self._local_root is not None:
             write_file_atomic(self._local_root / self._key(shard), pieces)
             return sum(len(p) for p in pieces)
-        from zarr.core.buffer import default_buffer_prototype
-        from zarr.core.sync import sync
-
         data = b"".join(pieces)
-        buffer = default_buffer_prototype().buffer.from_bytes(data)
-        sync(self._array.store.set(self._key(shard), buffer))
+        zarr_adapter.set_bytes(self._array.store, self._key(shard), data)
         return len(data)
 
     # -- reading ---------------------------------------------------------------------------------
 
-    def read(self, start: int, stop: int, dtype: np.dtype[Any]) -> np.ndarray:
-        """Rows ``[start, stop)`` decoded into one new array (chunks decoded in parallel)."""
+    def read(
+        self, start: int, stop: int, dtype: np.dtype[Any], holes: list[str] | None = None
+    ) -> np.ndarray:
+        """Rows ``[start, stop)`` decoded into one new array (chunks decoded in parallel).
+
+        Rows of a missing shard, or of a chunk its shard leaves out, read as the fill value 0,
+        as zarr reads them (zarr leaves out chunks that hold only the fill value); their keys are
+        appended to ``holes``.
+
+        Raises:
+            ChunkDecodeError: A chunk does not decode.
+            ShardIndexError: A shard's index fails its checksum.
+        """
         out = np.empty((stop - start, *self._row), dtype)
         shard_tokens = self._per_shard * self._ct
         jobs = []
         for shard in range(start // shard_tokens, -(-stop // shard_tokens)):
             base = shard * shard_tokens
-            jobs += self._read_shard(
-                shard,
-                max(start, base) - base,
-                min(stop, base + shard_tokens) - base,
-                out,
-                base - start,
-            )
-        list(codec_pool().map(lambda job: job(), jobs))
+            lo, hi = max(start, base) - base, min(stop, base + shard_tokens) - base
+            jobs += self._read_shard(shard, lo, hi, out[lo + base - start : hi + base - start])
+        found = list(codec_pool().map(lambda job: job(), jobs))
+        if holes is not None:
+            holes.extend(key for key in found if key)
         return out
 
-    def _read_shard(self, shard: int, lo: int, hi: int, out: np.ndarray, shift: int) -> list[Any]:
-        from zarr.abc.store import RangeByteRequest, SuffixByteRequest
-        from zarr.core.buffer import default_buffer_prototype
-        from zarr.core.sync import sync
-
-        store, key, proto = self._array.store, self._key(shard), default_buffer_prototype()
+    def _index(self, shard: int, key: str) -> np.ndarray | None:
+        """The shard's ``(offset, nbytes)`` per chunk; None when the shard is missing."""
         index = self._index_cache.get(shard)
         if index is None:
-            raw_index = sync(store.get(key, proto, SuffixByteRequest(self._per_shard * 16 + 4)))
-            if raw_index is None:
-                raise FileNotFoundError(f"shard {key} is missing")
-            index = raw_index.as_numpy_array()[:-4].view("<u8").reshape(-1, 2)
-            if (shard + 1) * self._per_shard * self._ct <= self.stable_below and len(
-                self._index_cache
-            ) < 8192:
+            raw = zarr_adapter.get(self._array.store, key, start=-self._format.index_nbytes)
+            if raw is None:
+                return None
+            index = self._format.decode_index(raw)
+            stable = (shard + 1) * self._per_shard * self._ct <= self.stable_below
+            if stable and len(self._index_cache) < 8192:
                 self._index_cache[shard] = index
+        return index
+
+    def _read_shard(
+        self, shard: int, lo: int, hi: int, target: np.ndarray
+    ) -> list[Callable[[], str]]:
+        """Jobs that decode rows ``[lo, hi)`` of a shard into ``target``; each returns the key
+        of what it read as the fill value, or ``""``."""
+        key = self._key(shard)
+        index = self._index(shard, key)
         first, last = lo // self._ct, (hi - 1) // self._ct
-        begin = int(index[first, 0])
-        end = int(index[last, 0] + index[last, 1])
-        if (index[first : last + 1] == _EMPTY).any():
-            raise FileNotFoundError(f"shard {key} lacks some of chunks {first}..{last}")
-        blob = sync(store.get(key, proto, RangeByteRequest(begin, end)))
-        if blob is None:
-            raise FileNotFoundError(f"shard {key} lacks chunks {first}..{last}")
-        view = blob.as_numpy_array()  # the bytes read, without another copy
-        jobs = []
-        for c in range(first, last + 1):
-            off, size = int(index[c, 0]) - begin, int(index[c, 1])
-            jobs.append(self._decode_job(view[off : off + size], c * self._ct, lo, hi, out, shift))
+        entries = None if index is None else index[first : last + 1]
+        present = [] if entries is None else [i for i, e in enumerate(entries) if e[0] != EMPTY]
+        if entries is None or not present:
+            return [functools.partial(_fill, target, key)]
+        begin = int(entries[present[0], 0])
+        end = max(int(entries[i, 0] + entries[i, 1]) for i in present)
+        blob = zarr_adapter.get(self._array.store, key, start=begin, end=end)
+        if blob is None:  # the shard went away since its index was read
+            return [functools.partial(_fill, target, key)]
+        jobs: list[Callable[[], str]] = []
+        for i, (offset, size) in enumerate(entries):
+            c0 = (first + i) * self._ct
+            a, b = max(lo, c0), min(hi, c0 + self._ct)
+            rows = target[a - lo : b - lo]
+            if offset == EMPTY:
+                jobs.append(functools.partial(_fill, rows, f"{key} chunk {first + i}"))
+                continue
+            data = blob[int(offset) - begin : int(offset + size) - begin]
+            jobs.append(functools.partial(self._decode_into, data, rows, a - c0, key))
         return jobs
 
-    def _decode_job(
-        self, data: np.ndarray, c0: int, lo: int, hi: int, out: np.ndarray, shift: int
-    ) -> Any:
-        a, b = max(lo, c0), min(hi, c0 + self._ct)
+    def _decode_into(self, data: np.ndarray, target: np.ndarray, skip: int, key: str) -> str:
+        """Decode one chunk and copy its rows ``[skip, skip + len(target))`` into ``target``."""
+        if self._codec is not None and skip == 0 and target.shape[0] == self._ct:
+            _decode(self._codec, data, key, out=target)  # whole chunk: decode in place
+            return ""
+        raw = _decode(self._codec, data, key) if self._codec is not None else data
+        chunk = _as_rows(raw, target.dtype, (self._ct, *self._row), key)
+        target[...] = chunk[skip : skip + target.shape[0]]
+        return ""
 
-        def job() -> None:
-            target = out[a + shift : b + shift]
-            if self._codec is not None and (a, b) == (c0, c0 + self._ct):
-                self._codec.decode(data, out=target)  # whole chunk: decode in place
-                return
-            raw = self._codec.decode(data) if self._codec is not None else data
-            chunk = np.frombuffer(raw, dtype=out.dtype).reshape(self._ct, *self._row)
-            target[...] = chunk[a - c0 : b - c0]
 
-        return job
+def _fill(target: np.ndarray, key: str) -> str:
+    target[...] = 0
+    return key
 
 
 def write_file_atomic(path: Path, pieces: list[bytes | memoryview]) -> None:
@@ -222,18 +259,28 @@ def _writev_all(fd: int, views: list[memoryview]) -> None:
             views[0] = views[0][written:]
 
 
+def _codec_chain(array: Any) -> list[dict[str, Any]]:
+    """The array's (inner-chunk) serializer, then its compressors, as JSON; ``bytes`` must be
+    little-endian and no filter is allowed (hsdump writes neither otherwise)."""
+    chain = [array.serializer.to_dict(), *(c.to_dict() for c in array.compressors)]
+    endian = chain[0].get("configuration", {}).get("endian", "little")
+    if array.filters or chain[0]["name"] != "bytes" or endian != "little":
+        found = f"filters {array.filters}, {chain}"
+        raise UnsupportedArrayError(f"{array.path}: unsupported codecs ({found})")
+    return chain
+
+
 def _blosc_of(array: Any) -> Any:
     """The numcodecs Blosc matching the array's inner-chunk codec (None when uncompressed)."""
     from numcodecs import Blosc
 
-    sharding = array.metadata.codecs[0]
-    inner = [c.to_dict() for c in sharding.codecs]
-    names = [c["name"] for c in inner]
+    chain = _codec_chain(array)
+    names = [c["name"] for c in chain]
     if names == ["bytes"]:
         return None
-    if names != ["bytes", "blosc"] or inner[0]["configuration"].get("endian") != "little":
-        raise ValueError(f"unexpected inner codecs {inner}")
-    cfg = inner[1]["configuration"]
+    if names != ["bytes", "blosc"]:
+        raise UnsupportedArrayError(f"{array.path}: unexpected inner codecs {chain}")
+    cfg = chain[1]["configuration"]
     return Blosc(
         cname=cfg["cname"],
         clevel=cfg["clevel"],
@@ -257,34 +304,32 @@ class FlatChunks:
         self._chunk = int(array.chunks[0])
         self._dtype = array.dtype
         self._root = local_root(array.store)
-        codecs = [c.to_dict() for c in array.metadata.codecs]
+        codecs = _codec_chain(array)
         names = [c["name"] for c in codecs]
         if names not in (["bytes"], ["bytes", "zstd"]):
-            raise ValueError(f"unexpected codecs {names}")
+            raise UnsupportedArrayError(f"{array.path}: unexpected codecs {codecs}")
         self._zstd = None
         if names[-1] == "zstd":
             cfg = codecs[-1].get("configuration", {})
             self._zstd = Zstd(level=cfg.get("level", 0), checksum=cfg.get("checksum", False))
 
     def _key(self, chunk: int) -> str:
-        return f"{self._array.path}/{self._array.metadata.encode_chunk_key((chunk,))}"
+        return zarr_adapter.chunk_key(self._array, (chunk,))
 
     def _read_chunk(self, chunk: int) -> np.ndarray | None:
         data: Any
+        key = self._key(chunk)
         if self._root is not None:
             try:
-                data = (self._root / self._key(chunk)).read_bytes()
+                data = (self._root / key).read_bytes()
             except FileNotFoundError:
                 return None
         else:
-            from zarr.core.buffer import default_buffer_prototype
-            from zarr.core.sync import sync
-
-            raw = sync(self._array.store.get(self._key(chunk), default_buffer_prototype()))
-            if raw is None:
+            data = zarr_adapter.get(self._array.store, key)
+            if data is None:
                 return None
-            data = raw.as_numpy_array()
-        return np.frombuffer(self._zstd.decode(data) if self._zstd else data, self._dtype)
+        raw = _decode(self._zstd, data, key) if self._zstd else data
+        return _as_rows(raw, self._dtype, (self._chunk,), key)
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Elements ``[start, stop)``; missing chunks read as the fill value 0."""
