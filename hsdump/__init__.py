@@ -41,36 +41,49 @@ from hsdump._exceptions import (
 from hsdump._types import HiddenStates, Sample
 
 if TYPE_CHECKING:
-    from hsdump._client.client import HiddenStateClient
+    from hsdump._client.client import ClientStats, HiddenStateClient
     from hsdump._client.watcher import (
         DumpWatcher,
         InotifyWatcher,
         PollingWatcher,
         WatchfilesWatcher,
     )
+    from hsdump._protocol import DumpMeta, ProducerInfo
     from hsdump._run.dataset import HiddenStateDataset
     from hsdump._run.parallel import run_parallel_extraction
-    from hsdump._run.pipeline import Backoff, ExtractionSummary, run_extraction
+    from hsdump._run.pipeline import Backoff, ExtractionSummary, Failure, run_extraction
     from hsdump._run.ray_driver import run_ray_extraction
     from hsdump._servers.reference import ReferenceServer
-    from hsdump._store.store import HiddenStateStore, open_store
+    from hsdump._store.provenance import Provenance
+    from hsdump._store.reader import CorruptSample, VerifyReport
+    from hsdump._store.stats import LayerStats
+    from hsdump._store.store import HiddenStateStore, open_store, verify_store
     from hsdump._training.batching import LengthBucketSampler, pad_collate
     from hsdump._training.export import ExportSummary, export_store
 
 __version__ = "0.1.0"
 
+# Names loaded from their modules on first use (see __getattr__).
 _LAZY = {
     "Backoff": "hsdump._run.pipeline",
+    "ClientStats": "hsdump._client.client",
+    "CorruptSample": "hsdump._store.reader",
+    "DumpMeta": "hsdump._protocol",
+    "DumpWatcher": "hsdump._client.watcher",
     "ExportSummary": "hsdump._training.export",
     "ExtractionSummary": "hsdump._run.pipeline",
-    "DumpWatcher": "hsdump._client.watcher",
+    "Failure": "hsdump._run.pipeline",
     "HiddenStateClient": "hsdump._client.client",
     "HiddenStateDataset": "hsdump._run.dataset",
     "HiddenStateStore": "hsdump._store.store",
     "InotifyWatcher": "hsdump._client.watcher",
+    "LayerStats": "hsdump._store.stats",
     "LengthBucketSampler": "hsdump._training.batching",
     "PollingWatcher": "hsdump._client.watcher",
+    "ProducerInfo": "hsdump._protocol",
+    "Provenance": "hsdump._store.provenance",
     "ReferenceServer": "hsdump._servers.reference",
+    "VerifyReport": "hsdump._store.reader",
     "WatchfilesWatcher": "hsdump._client.watcher",
     "export_store": "hsdump._training.export",
     "open_store": "hsdump._store.store",
@@ -78,21 +91,26 @@ _LAZY = {
     "run_extraction": "hsdump._run.pipeline",
     "run_parallel_extraction": "hsdump._run.parallel",
     "run_ray_extraction": "hsdump._run.ray_driver",
+    "verify_store": "hsdump._store.store",
 }
 
 __all__ = [
     "Backoff",
+    "ClientStats",
     "ConfigError",
+    "CorruptSample",
     "DegenerateValues",
     "DtypeMismatch",
     "DumpError",
     "DumpFailed",
+    "DumpMeta",
     "DumpTimeout",
     "DumpValidationError",
     "DumpWatcher",
     "ExportError",
     "ExportSummary",
     "ExtractionSummary",
+    "Failure",
     "HiddenStateClient",
     "HiddenStateDataset",
     "HiddenStateStore",
@@ -101,9 +119,12 @@ __all__ = [
     "InotifyWatcher",
     "InputError",
     "LayerMismatch",
+    "LayerStats",
     "LengthBucketSampler",
     "NonFiniteValues",
     "PollingWatcher",
+    "ProducerInfo",
+    "Provenance",
     "ProvenanceMismatch",
     "ReferenceServer",
     "RidMismatch",
@@ -120,6 +141,7 @@ __all__ = [
     "StoreCorruptedError",
     "StoreError",
     "TokenMismatch",
+    "VerifyReport",
     "WatchfilesWatcher",
     "WorkerError",
     "__version__",
@@ -129,7 +151,16 @@ __all__ = [
     "run_extraction",
     "run_parallel_extraction",
     "run_ray_extraction",
+    "verify_store",
 ]
+
+
+# Public names say they come from ``hsdump``, not from the private module that defines them (as
+# httpx does): reprs, tracebacks and pickles name the import path users are meant to use.
+for _name in __all__:
+    if _name not in _LAZY and not _name.startswith("__"):
+        globals()[_name].__module__ = "hsdump"
+del _name
 
 
 def __getattr__(name: str) -> Any:
@@ -137,6 +168,7 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'hsdump' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
+    value.__module__ = "hsdump"
     globals()[name] = value
     return value
 
