@@ -410,12 +410,31 @@ async def test_chunked_prefill_is_fine_when_the_producer_assembles_chunks(tmp_pa
             assert_belongs_to(await client.extract(s), s)
 
 
-async def test_prompts_longer_than_the_server_accepts_are_input_errors(tmp_path: Path) -> None:
-    with FakeServer(tmp_path, server_info={"max_req_input_len": 4}) as srv:
+@pytest.mark.parametrize(
+    ("info", "ids", "reason"),
+    [
+        (
+            {"max_req_input_len": 4},
+            [1, 2, 3, 4, 5],
+            "5 tokens, longer than the server's context of 4",
+        ),
+        ({"context_length": 4}, [1, 2, 3, 4, 5], "longer than the server's context of 4"),
+        ({"internal_states": [{"max_req_input_len": 4}]}, [1] * 5, "context of 4"),
+        ({"vocab_size": 50}, [1, 2, 50], "token id 50 at position 2 is outside"),
+    ],
+)
+async def test_samples_the_server_would_refuse_are_input_errors_before_a_request(
+    tmp_path: Path, info: dict[str, Any], ids: list[int], reason: str
+) -> None:
+    """The client applies the dataset reader's limits, read from /server_info by one parser."""
+    from hsdump._run.inputs import InputLimits
+
+    with FakeServer(tmp_path, server_info=info) as srv:
         async with HiddenStateClient(srv.url, dump_dir=tmp_path, probe=False) as client:
-            with pytest.raises(hsdump.InputError, match="at most 4"):
-                await client.extract(sample(16, n=5))
-        assert srv.received == []
+            with pytest.raises(hsdump.InputError, match=reason) as raised:
+                await client.extract(Sample(id="long", input_ids=ids))
+            assert client.limits == InputLimits.from_server_info(client.server_info)
+        assert srv.received == [] and raised.value.sample_id == "long"
 
 
 def open_resources(root: Path, port: int) -> tuple[list[str], int, int]:

@@ -63,6 +63,7 @@ def test_a_bad_line_is_reported_with_its_number_and_reason_and_the_rest_is_read(
     assert [s.id for s in dataset.samples] == ["ok1", "ok2"]
     (bad,) = dataset.bad_lines
     assert bad.line == 2 and f"{path}:2:" in str(bad.error) and reason in str(bad.error)
+    assert str(bad.error).count("[sample") <= 1  # the reason's own context is not repeated
 
 
 @pytest.mark.parametrize(

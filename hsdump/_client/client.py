@@ -24,6 +24,7 @@ import httpx
 
 from hsdump._client.budget import ByteBudget, default_budget_bytes
 from hsdump._client.janitor import ClientLease, remove_stale
+from hsdump._client.limits import InputLimits
 from hsdump._client.loading import load_dump
 from hsdump._client.validate import Expected, check_response
 from hsdump._client.watcher import DumpWatcher, default_watcher
@@ -32,7 +33,6 @@ from hsdump._exceptions import (
     ConfigError,
     DumpTimeout,
     HsdumpError,
-    InputError,
     ServerConfigError,
     ServerNotDumping,
     ServerResponseError,
@@ -153,6 +153,7 @@ class HiddenStateClient:
         self.probe = probe
         self.stats = ClientStats()
         self.server_info: dict[str, Any] = {}
+        self.limits = InputLimits()
         self.manifest: ProducerManifest | None = None
         self._watcher_arg = watcher
         self._budget_arg = dump_budget_bytes
@@ -187,6 +188,7 @@ class HiddenStateClient:
         async with contextlib.AsyncExitStack() as stack:  # a failed step undoes those before it
             stack.push_async_callback(self._close_http)
             self.server_info = await self._fetch_server_info()
+            self.limits = InputLimits.from_server_info(self.server_info)
             check_server_settings(self.server_info, self.manifest, self.base_url)
             check_same_producer(self.server_info, self.manifest, self.base_url, self.dump_dir)
             self._expected = Expected.from_manifest(
@@ -273,7 +275,7 @@ class HiddenStateClient:
         """
         if self._state is not _State.OPEN:
             raise ConfigError(f"this client is {self._state.value}: use it inside `async with`")
-        self._check_length(sample)
+        self.limits.check(sample.input_ids, sample_id=sample.id)
         self._sweep_abandoned()
         nbytes = _META_BYTES + len(sample.input_ids) * (self._row_bytes() + _META_BYTES_PER_TOKEN)
         await self.budget.acquire(nbytes)
@@ -420,21 +422,8 @@ class HiddenStateClient:
 
     @property
     def max_input_len(self) -> int | None:
-        """The longest prompt the server accepts, when it says."""
-        value = self.server_info.get("max_req_input_len")
-        if value is None:
-            states = self.server_info.get("internal_states") or [{}]
-            value = states[0].get("max_req_input_len") if isinstance(states[0], dict) else None
-        return int(value) if value else None
-
-    def _check_length(self, sample: Sample) -> None:
-        limit = self.max_input_len
-        if limit is not None and len(sample.input_ids) > limit:
-            raise InputError(
-                f"the sample has {len(sample.input_ids)} tokens, the server accepts at most "
-                f"{limit}: split or drop it, or raise the server's --context-length",
-                sample_id=sample.id,
-            )
+        """The longest prompt the server accepts, when it says (``limits.max_tokens``)."""
+        return self.limits.max_tokens
 
     def _row_bytes(self) -> int:
         m = self.manifest

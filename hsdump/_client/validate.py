@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from hsdump._client.limits import local_model_config
 from hsdump._exceptions import (
     DegenerateValues,
     DtypeMismatch,
@@ -36,7 +37,6 @@ from hsdump._protocol import (
     dtype_spec,
     open_dump_file,
 )
-from hsdump._run.inputs import local_model_config
 
 __all__ = ["Expected", "check_response", "read_checked", "validate_meta"]
 

@@ -12,13 +12,13 @@ import hashlib
 import json
 import os
 import re
-import reprlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hsdump._exceptions import ConfigError, InputError
+from hsdump._client.limits import InputLimits, local_model_config
+from hsdump._exceptions import ConfigError, HsdumpError, InputError
 from hsdump._types import Sample
 
 __all__ = [
@@ -33,57 +33,6 @@ __all__ = [
 
 # What ``errors="surrogateescape"`` turns each byte that is not UTF-8 into.
 _UNDECODABLE = re.compile("[\udc80-\udcff]")
-
-
-@dataclass(frozen=True)
-class InputLimits:
-    """What the server accepts; checked here so a bad sample never reaches it.
-
-    Attributes:
-        vocab_size: Token ids must lie in ``[0, vocab_size)``; unchecked when None.
-        max_tokens: The longest prompt the server takes; unchecked when None.
-    """
-
-    vocab_size: int | None = None
-    max_tokens: int | None = None
-
-    @classmethod
-    def from_server_info(cls, info: Mapping[str, Any]) -> InputLimits:
-        """The limits a server reports in ``/server_info`` (absent fields are not checked).
-
-        SGLang reports the longest prompt per scheduler (``internal_states``) and no vocabulary
-        size; the vocabulary then comes from the model's ``config.json`` when ``model_path`` is a
-        local directory (the usual case on the node next to the server).
-        """
-        states = info.get("internal_states") or [{}]
-        scheduler = states[0] if isinstance(states[0], Mapping) else {}
-        length = (
-            info.get("max_req_input_len")
-            or scheduler.get("max_req_input_len")
-            or info.get("context_length")
-        )
-        vocab = info.get("vocab_size") or _local_vocab_size(info.get("model_path"))
-        return cls(
-            vocab_size=int(vocab) if vocab else None, max_tokens=int(length) if length else None
-        )
-
-
-def local_model_config(model_path: object) -> dict[str, Any]:
-    """The ``config.json`` of ``model_path`` when it is a local model directory, else ``{}``."""
-    if not isinstance(model_path, str) or not model_path:
-        return {}
-    try:
-        config = json.loads((Path(model_path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
-
-
-def _local_vocab_size(model_path: object) -> int | None:
-    """``vocab_size`` from a local model directory's config (or its ``text_config``), else None."""
-    config = local_model_config(model_path)
-    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
-    return int(vocab) if isinstance(vocab, int) else None
 
 
 @dataclass(frozen=True)
@@ -214,12 +163,12 @@ class _LineParser:
             raise self.error(number, f"expected a JSON object, found {type(record).__name__}")
         sample_id = self._id(number, record)
         try:
-            ids = self._input_ids(record)
-            self._check_ids(ids)
-            return Sample(sample_id, ids, record.get("loss_mask"))
+            sample = Sample(sample_id, self._input_ids(record), record.get("loss_mask"))
+            self.limits.check(sample.input_ids)
         except (InputError, ValueError, TypeError) as exc:
-            reason = str(exc).split("] ", 1)[-1]  # drop the context prefix: we add the line
+            reason = exc.message if isinstance(exc, HsdumpError) else str(exc)
             raise self.error(number, reason, sample_id) from exc
+        return sample
 
     def _id(self, number: int, record: dict[str, Any]) -> str:
         value = record.get("id")
@@ -234,12 +183,7 @@ class _LineParser:
             ids = record["input_ids"]
             if not isinstance(ids, list) or not ids:
                 raise InputError('"input_ids" must be a non-empty list of token ids')
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or t < 0]
-            if bad:
-                raise InputError(
-                    f'"input_ids" holds {reprlib.repr(bad[0])}: ids are non-negative integers'
-                )
-            return ids
+            return ids  # Sample checks that they are non-negative ints
         if "text" not in record and "messages" not in record:
             raise InputError('no "input_ids" (nor "text" or "messages" with a tokenizer)')
         if self.tokenizer is None:
@@ -253,20 +197,6 @@ class _LineParser:
         if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
-
-    def _check_ids(self, ids: list[int]) -> None:
-        vocab, longest = self.limits.vocab_size, self.limits.max_tokens
-        if vocab is not None and max(ids) >= vocab:
-            position = next(i for i, t in enumerate(ids) if t >= vocab)
-            raise InputError(
-                f"token id {ids[position]} at position {position} is outside the model's "
-                f"vocabulary [0, {vocab}): was it tokenized for another model?"
-            )
-        if longest is not None and len(ids) > longest:
-            raise InputError(
-                f"{len(ids)} tokens, longer than the server's context of {longest} tokens: "
-                "split or truncate the sample"
-            )
 
 
 @dataclass(frozen=True)
