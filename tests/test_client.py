@@ -683,3 +683,18 @@ def test_a_server_on_a_taken_port_raises_server_start_error_naming_it(tmp_path: 
             server.start()
         server.stop()
     assert issubclass(ServerStartError, ServerError) and issubclass(ServerStartError, RuntimeError)
+
+
+async def test_stats_since_a_snapshot_count_only_the_later_requests(
+    client: HiddenStateClient, server: FakeServer
+) -> None:
+    await client.extract(sample(0))
+    before = client.stats.copy()
+    server.inject(Fault("nan"))
+    with pytest.raises(hsdump.NonFiniteValues):
+        await client.extract(sample(1))
+    await client.extract(sample(2, n=7))
+    later = client.stats.since(before)
+    assert (later.requests, later.tokens, later.failures) == (1, 7, {"NonFiniteValues": 1})
+    assert before.requests == 1 and before.failures == {}  # the snapshot did not move
+    assert later.stages()["server"] == pytest.approx(client.stats.server_s - before.server_s)

@@ -8,6 +8,7 @@ tensor is handed out.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import importlib
 import logging
@@ -71,7 +72,11 @@ class _State(enum.Enum):
 
 @dataclass
 class ClientStats:
-    """Where the time of :meth:`HiddenStateClient.extract` went, summed over requests.
+    """The client's own counters of :meth:`HiddenStateClient.extract`, summed over requests.
+
+    Only what the client itself sees: a run's summary (:class:`~hsdump.ExtractionSummary`) reads
+    its stage times from here (:meth:`since`, :meth:`stages`) instead of timing them again, and
+    counts what the client cannot see (commits, retries, skipped samples) itself.
 
     Attributes:
         requests: Completed extractions.
@@ -80,6 +85,7 @@ class ClientStats:
         server_s: Sending the request until the HTTP response.
         dump_wait_s: The response until the dump was visible (0 when the dump came first).
         ingest_s: Reading, validating and loading the dump.
+        failures: Failed attempts by error class name.
     """
 
     requests: int = 0
@@ -89,6 +95,31 @@ class ClientStats:
     dump_wait_s: float = 0.0
     ingest_s: float = 0.0
     failures: dict[str, int] = field(default_factory=dict)
+
+    def copy(self) -> ClientStats:
+        """A snapshot that later requests do not change."""
+        return dataclasses.replace(self, failures=dict(self.failures))
+
+    def since(self, earlier: ClientStats) -> ClientStats:
+        """What was counted after the snapshot ``earlier``."""
+        failures = {
+            name: count - earlier.failures.get(name, 0)
+            for name, count in self.failures.items()
+            if count > earlier.failures.get(name, 0)
+        }
+        return ClientStats(
+            requests=self.requests - earlier.requests,
+            tokens=self.tokens - earlier.tokens,
+            bytes=self.bytes - earlier.bytes,
+            server_s=self.server_s - earlier.server_s,
+            dump_wait_s=self.dump_wait_s - earlier.dump_wait_s,
+            ingest_s=self.ingest_s - earlier.ingest_s,
+            failures=failures,
+        )
+
+    def stages(self) -> dict[str, float]:
+        """Seconds per stage of a request, as a run's summary names them."""
+        return {"server": self.server_s, "dump_wait": self.dump_wait_s, "ingest": self.ingest_s}
 
 
 class HiddenStateClient:

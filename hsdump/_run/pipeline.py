@@ -34,6 +34,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from hsdump._exceptions import ConfigError, HsdumpError, SampleExistsError, StoreError
 
 if TYPE_CHECKING:
+    from hsdump._client.client import ClientStats
     from hsdump._types import HiddenStates, Sample
 
 __all__ = [
@@ -333,11 +334,8 @@ class _Run:
         self._write_lock = anyio.Lock()
         self._cpu_start = time.process_time()
         self._store_start = _store_bytes(store)
-        stats = getattr(client, "stats", None)
-        self._client_start = {
-            name: getattr(stats, f"{name}_s") for name in ("server", "dump_wait", "ingest")
-            if stats is not None and hasattr(stats, f"{name}_s")
-        }  # fmt: skip
+        stats = _client_stats(client)
+        self._client_start = stats.copy() if stats is not None else None
 
     def plan(self, samples: Sequence[Sample]) -> list[Sample]:
         todo = [s for s in samples if s.id not in self.store]
@@ -448,11 +446,9 @@ class _Run:
         self.summary.stages[name] = self.summary.stages.get(name, 0.0) + seconds
 
     def _client_stages(self) -> None:
-        stats = getattr(self.client, "stats", None)
-        for name in ("server", "dump_wait", "ingest"):
-            value = getattr(stats, f"{name}_s", None)
-            if value is not None:
-                self.summary.stages[name] = value - self._client_start.get(name, 0.0)
+        stats = _client_stats(self.client)
+        if stats is not None and self._client_start is not None:
+            self.summary.stages.update(stats.since(self._client_start).stages())
 
     def _report_counters(self) -> None:
         self._client_stages()
@@ -550,3 +546,11 @@ async def _drive(
         summary.finished = time.monotonic()
     if source.left():
         summary.interrupted = True  # fail-fast stopped the run with samples left
+
+
+def _client_stats(client: Extractor) -> ClientStats | None:
+    """The client's own counters, when it is a client that keeps them."""
+    from hsdump._client.client import ClientStats
+
+    stats = getattr(client, "stats", None)
+    return stats if isinstance(stats, ClientStats) else None
