@@ -319,17 +319,35 @@ class _FailureLog:
             self._file.close()
 
 
+@dataclass(frozen=True)
+class _Policy:
+    """How a run treats each sample: :func:`run_extraction`'s arguments about samples."""
+
+    retries: int
+    backoff: Backoff
+    fail_fast: bool
+    progress: ProgressCallback | None
+    line_numbers: Mapping[str, int]
+
+
 class _Run:
-    def __init__(self, client: Extractor, store: SampleSink, **options: Any):
+    def __init__(
+        self,
+        client: Extractor,
+        store: SampleSink,
+        policy: _Policy,
+        log: _FailureLog,
+        summary: ExtractionSummary,
+    ):
         self.client = client
         self.store = store
-        self.retries: int = options["retries"]
-        self.backoff: Backoff = options["backoff"]
-        self.fail_fast: bool = options["fail_fast"]
-        self.progress: ProgressCallback | None = options["progress"]
-        self.lines: Mapping[str, int] = options["line_numbers"] or {}
-        self.log: _FailureLog = options["log"]
-        self.summary: ExtractionSummary = options["summary"]
+        self.retries = policy.retries
+        self.backoff = policy.backoff
+        self.fail_fast = policy.fail_fast
+        self.progress = policy.progress
+        self.lines = policy.line_numbers
+        self.log = log
+        self.summary = summary
         self.fatal: StoreError | None = None
         self._write_lock = anyio.Lock()
         self._cpu_start = time.process_time()
@@ -507,10 +525,8 @@ async def run_extraction(
     with _FailureLog(path) as log:
         for failure in prior_failures:
             log.record(failure)
-        run = _Run(
-            client, store, retries=retries, backoff=backoff or Backoff(), fail_fast=fail_fast,
-            progress=progress, line_numbers=line_numbers, log=log, summary=summary,
-        )  # fmt: skip
+        policy = _Policy(retries, backoff or Backoff(), fail_fast, progress, line_numbers or {})
+        run = _Run(client, store, policy, log, summary)
         await _drive(run, samples, concurrency)
     if run.fatal is not None:
         raise run.fatal
