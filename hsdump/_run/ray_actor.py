@@ -15,7 +15,7 @@ import contextlib
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
@@ -30,10 +30,21 @@ from hsdump._run.pipeline import (
 )
 from hsdump._types import Sample
 
+if TYPE_CHECKING:
+    from hsdump._client.client import ClientStats, HiddenStateClient
+
 __all__ = ["ActorSpec", "BatchResult", "ExtractionActor"]
 
 _PART_TRIES = 16  # parts to try past one still locked by an earlier incarnation that lingers
-_CLIENT_STAGES = ("server", "dump_wait", "ingest")
+
+
+@dataclass(frozen=True)
+class _Start:
+    """The counters when the actor opened: its totals are counted from here."""
+
+    cpu_s: float
+    stored: tuple[int, int]
+    client: ClientStats
 
 
 @dataclass(frozen=True)
@@ -93,9 +104,9 @@ class ExtractionActor:
     def __init__(self, spec: ActorSpec):
         self.spec = spec
         self._stack = contextlib.AsyncExitStack()
-        self._client: Any = None
+        self._client: HiddenStateClient | None = None
         self._store: Any = None
-        self._start: dict[str, Any] = {}
+        self._start: _Start | None = None
         self._store_write_s = 0.0
         self._feeds: set[MemoryObjectReceiveStream[Sample]] = set()
 
@@ -121,11 +132,7 @@ class ExtractionActor:
         )  # fmt: skip
         self._client = await self._stack.enter_async_context(client)
         self._store = self._stack.enter_context(self._open_part())
-        self._start = {
-            "cpu_s": time.process_time(),
-            "stored": _store_bytes(self._store),
-            **{name: getattr(client.stats, f"{name}_s") for name in _CLIENT_STAGES},
-        }
+        self._start = _Start(time.process_time(), _store_bytes(self._store), client.stats.copy())
 
     def _open_part(self) -> Any:
         """The part ``<part>-a<n>`` for the first ``n`` whose lock no other process holds."""
@@ -153,7 +160,7 @@ class ExtractionActor:
         self._feeds.add(feed)
         try:
             summary = await run_extraction(
-                feed, client=self._client, store=self._store, retries=self.spec.retries,
+                feed, client=self._opened()[0], store=self._store, retries=self.spec.retries,
                 concurrency=self.spec.concurrency, fail_fast=self.spec.fail_fast,
             )  # fmt: skip
         except HsdumpError as exc:  # the store refused a write: no later batch would fare better
@@ -182,16 +189,21 @@ class ExtractionActor:
             return BatchResult(error=type(exc).__name__, message=str(exc))
         return BatchResult(totals=totals)
 
+    def _opened(self) -> tuple[HiddenStateClient, _Start]:
+        if self._client is None or self._start is None:
+            raise RuntimeError("ExtractionActor.open() must succeed before any other call")
+        return self._client, self._start
+
     def _totals(self) -> dict[str, Any]:
         """This actor's running totals (absolute, so two batches at once are not counted twice)."""
-        stats, start = self._client.stats, self._start
-        stages = {name: getattr(stats, f"{name}_s") - start[name] for name in _CLIENT_STAGES}
+        client, start = self._opened()
+        stages = client.stats.since(start.client).stages()
         stages["store_write"] = self._store_write_s
         raw, stored = _store_bytes(self._store)
         return {
             "stages": stages,
-            "cpu_s": time.process_time() - start["cpu_s"],
+            "cpu_s": time.process_time() - start.cpu_s,
             "peak_rss_bytes": peak_rss_bytes(),
-            "store_bytes_raw": raw - start["stored"][0],
-            "bytes_stored": stored - start["stored"][1],
+            "store_bytes_raw": raw - start.stored[0],
+            "bytes_stored": stored - start.stored[1],
         }
