@@ -10,16 +10,21 @@
           def make_watcher(self, root):
               return MyWatcher(root)
 
+  Every test runs under asyncio and under trio; a watcher for one event loop only narrows
+  ``backends`` (``backends = ("asyncio",)``), and the other's tests are skipped, as they are
+  where trio is not installed.
+
 Requires pytest and anyio's pytest plugin (bundled with anyio).
 """
 
 from __future__ import annotations
 
-import asyncio
+import importlib.util
 import os
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import anyio
 import pytest
@@ -65,15 +70,23 @@ def _fd_count() -> int:
 
 
 class DumpWatcherTests:
-    """Behaviour every DumpWatcher implementation must have."""
+    """Behaviour every DumpWatcher implementation must have, under each anyio backend."""
+
+    #: The anyio backends the watcher under test supports.
+    backends: ClassVar[tuple[str, ...]] = ("asyncio", "trio")
 
     def make_watcher(self, root: Path) -> DumpWatcher:
         """Return the watcher under test for dump root ``root``."""
         raise NotImplementedError
 
-    @pytest.fixture
-    def anyio_backend(self) -> str:
-        return "asyncio"
+    @pytest.fixture(params=["asyncio", "trio"])
+    def anyio_backend(self, request: pytest.FixtureRequest) -> str:
+        backend: str = request.param
+        if backend not in self.backends:
+            pytest.skip(f"{type(self).__name__} does not support {backend}")
+        if importlib.util.find_spec(backend) is None:
+            pytest.skip(f"{backend} is not installed")
+        return backend
 
     @pytest.fixture
     async def watcher(self, tmp_path: Path):  # type: ignore[no-untyped-def]
@@ -219,7 +232,7 @@ class DumpWatcherTests:
         self, watcher: DumpWatcher
     ) -> None:
         await _warm_up(watcher)
-        fds, tasks = _fd_count(), len(asyncio.all_tasks())
+        fds, tasks = _fd_count(), len(anyio.get_running_tasks())
         for _ in range(30):
             async with anyio.create_task_group() as tg:
                 await _begin_wait(tg, watcher, self.rid())
@@ -227,7 +240,25 @@ class DumpWatcherTests:
             with pytest.raises(DumpTimeout):
                 await watcher.wait(self.rid(), timeout=0.005)
         assert _fd_count() == fds
-        assert len(asyncio.all_tasks()) == tasks
+        assert len(anyio.get_running_tasks()) == tasks
+
+    @pytest.mark.anyio
+    async def test_a_cancelled_wait_leaves_the_other_waits_seeing_their_dumps(
+        self, watcher: DumpWatcher
+    ) -> None:
+        first, second, third = self.rid(), self.rid(), self.rid()
+        async with anyio.create_task_group() as tg:
+            async with anyio.create_task_group() as doomed:
+                await _begin_wait(doomed, watcher, first)  # began first: it may be the reader
+                waits = [await _begin_wait(tg, watcher, rid) for rid in (second, third)]
+                doomed.cancel_scope.cancel()
+            await _produce(lambda: publish(watcher.root, second))
+            with anyio.fail_after(5):
+                await waits[0].returned.wait()
+            assert not waits[1].returned.is_set()
+            await _produce(lambda: publish(watcher.root, third))
+            with anyio.fail_after(5):
+                await waits[1].returned.wait()
 
     @pytest.mark.anyio
     async def test_refuses_a_rid_that_would_escape_the_root(self, watcher: DumpWatcher) -> None:

@@ -698,3 +698,13 @@ async def test_stats_since_a_snapshot_count_only_the_later_requests(
     assert (later.requests, later.tokens, later.failures) == (1, 7, {"NonFiniteValues": 1})
     assert before.requests == 1 and before.failures == {}  # the snapshot did not move
     assert later.stages()["server"] == pytest.approx(client.stats.server_s - before.server_s)
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_extract_works_under_trio_with_the_inotify_watcher(server: FakeServer) -> None:
+    async with HiddenStateClient(
+        server.url, dump_dir=server.dump_dir, watcher="inotify", dump_timeout=2
+    ) as client:
+        for i in range(3):
+            s = sample(40 + i)
+            assert_belongs_to(await client.extract(s), s)

@@ -1,7 +1,8 @@
 """Waiting for a request's dump: the :class:`DumpWatcher` protocol and its implementations.
 
-:class:`InotifyWatcher` reads Linux inotify events straight from the kernel on the event loop
-(``loop.add_reader``), so a dump is seen within microseconds and an idle watcher costs no CPU.
+:class:`InotifyWatcher` reads Linux inotify events straight from the kernel in one of its waiting
+tasks (``anyio.wait_readable``: asyncio and trio alike), so a dump is seen within microseconds and
+an idle watcher costs no CPU.
 watchfiles was measured first: its Rust loop wakes every ``step`` ms (p50 wake-up 2.0 ms at
 ``step=1``) and ``step=0`` spins a whole core, so it cannot meet a sub-millisecond wake-up; it is
 offered as :class:`WatchfilesWatcher` (``watcher="watchfiles"``) for platforms where the Rust
@@ -11,7 +12,6 @@ offered as :class:`WatchfilesWatcher` (``watcher="watchfiles"``) for platforms w
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 
 from hsdump._exceptions import ConfigError, DumpTimeout
 from hsdump._protocol import DONE_MARKER, ERROR_MARKER, REQ_PREFIX, request_dir, validate_rid
@@ -107,12 +109,13 @@ class PollingWatcher:
 
 
 class InotifyWatcher:
-    """Wakes waiters from Linux inotify events on the dump root (asyncio event loops).
+    """Wakes waiters from Linux inotify events on the dump root (any anyio backend).
 
     One inotify descriptor watches the root for directories moved or created in; a directory that
     appears before its marker (a producer that writes in place instead of renaming a finished
     directory) gets a watch of its own for as long as a wait for it lasts, however many files
-    arrive before the marker.
+    arrive before the marker. No task of its own reads the descriptor: one of the waits at a
+    time does, waking the others, and hands the reading to another when it ends.
 
     Args:
         root: The dump root (created if missing).
@@ -123,7 +126,7 @@ class InotifyWatcher:
         self._waiters: dict[str, set[_Wakeup]] = {}
         self._subdirs: dict[int, str] = {}
         self._inotify: Any = None  # inotify_simple.INotify once started
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: _Wakeup | None = None  # the wait that reads the descriptor now
         self._closed = False
 
     def _start(self) -> None:
@@ -133,9 +136,30 @@ class InotifyWatcher:
         inotify = INotify(nonblocking=True)
         mask = flags.CREATE | flags.MOVED_TO | flags.ONLYDIR | flags.DELETE_SELF
         inotify.add_watch(self.root, mask)
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(inotify.fileno(), self._on_events)
         self._inotify = inotify
+
+    async def _next_wakeup(self, wakeup: _Wakeup) -> None:
+        """Return once ``wakeup`` is set, reading the events meanwhile if no other wait does."""
+        if self._reader is not None:
+            await wakeup.wait()
+            return
+        self._reader = wakeup
+        try:
+            while not wakeup.is_set():
+                await anyio.wait_readable(self._inotify.fileno())
+                self._on_events()
+        except anyio.ClosedResourceError:
+            pass  # aclose() closed the descriptor: the wait sees the watcher closed
+        finally:
+            self._reader = None  # a reader that leaves the wait hands over in _unregister
+        wakeup.clear()
+
+    def _hand_over(self) -> None:
+        """Wake one wait, which then reads the events in place of the reader that left."""
+        for waiters in self._waiters.values():
+            for other in waiters:
+                other.set()
+                return
 
     def _on_events(self) -> None:
         from inotify_simple import flags
@@ -190,7 +214,7 @@ class InotifyWatcher:
                 # slips by; both last until the wait ends, however many wake-ups it takes.
                 self._watch_request_dir(rid, path)
                 while not _is_published(path):
-                    await wakeup.wait()
+                    await self._next_wakeup(wakeup)
                     if self._closed:
                         raise ConfigError("the watcher was closed while waiting")
                 return path
@@ -205,6 +229,8 @@ class InotifyWatcher:
             if not waiters:
                 del self._waiters[rid]
                 self._drop_subdir_watches(rid)
+        if self._reader is None:
+            self._hand_over()
 
     def _drop_subdir_watches(self, rid: str) -> None:
         for wd in [wd for wd, owner in self._subdirs.items() if owner == rid]:
@@ -219,8 +245,7 @@ class InotifyWatcher:
         """See :meth:`DumpWatcher.aclose`."""
         self._closed = True
         if self._inotify is not None:
-            assert self._loop is not None
-            self._loop.remove_reader(self._inotify.fileno())
+            anyio.notify_closing(self._inotify.fileno())  # the reading wait stops, then closes
             self._inotify.close()
             self._inotify = None
         self._wake_all()
@@ -230,9 +255,9 @@ class WatchfilesWatcher:
     """Wakes waiters from the change sets of watchfiles' Rust ``notify`` watcher on the dump root.
 
     One watcher covers the root recursively; a thread of its own blocks in watchfiles and hands
-    each change set to the event loop (asyncio), which wakes the waits for the ``req_<rid>``
-    directories it names. A change set arrives about two ``step_ms`` after the change, and the
-    thread takes the GIL once per step while idle (see docs/performance.md).
+    each change set to the event loop (any anyio backend), which wakes the waits for the
+    ``req_<rid>`` directories it names. A change set arrives about two ``step_ms`` after the
+    change, and the thread takes the GIL once per step while idle (see docs/performance.md).
 
     Args:
         root: The dump root (created if missing).
@@ -251,7 +276,7 @@ class WatchfilesWatcher:
         self._notify_threads: set[str] = set()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._token: Any = None  # the event loop's anyio token once started
         self._closed = False
         # notify reports absolute paths, joined to the working directory if the root is relative
         self._watched = os.path.abspath(self.root)
@@ -271,12 +296,11 @@ class WatchfilesWatcher:
                 "readable directory, or use watcher='inotify' or 'poll'"
             ) from exc
         self._notify_threads = _notify_threads() - before
-        self._loop = asyncio.get_running_loop()
+        self._token = anyio.lowlevel.current_token()
         self._thread = threading.Thread(target=self._run, name="hsdump-watchfiles", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        assert self._loop is not None
         while not self._stop.is_set():
             try:
                 changes = self._notify.watch(self.step_ms, self.step_ms, 0, self._stop)
@@ -286,9 +310,9 @@ class WatchfilesWatcher:
             if not isinstance(changes, set):
                 continue  # "stop" ends the loop; no "timeout" or "signal" off the main thread
             try:
-                self._loop.call_soon_threadsafe(self._on_changes, changes)
+                anyio.from_thread.run_sync(self._on_changes, changes, token=self._token)
             except RuntimeError:
-                return  # the event loop is closed
+                return  # the event loop has finished
 
     def _on_changes(self, changes: set[tuple[int, str]]) -> None:
         prefix = os.path.join(self._watched, REQ_PREFIX)
@@ -374,9 +398,15 @@ class _Wakeup:
     def set(self) -> None:
         self._event.set()
 
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def clear(self) -> None:
+        self._event = anyio.Event()
+
     async def wait(self) -> None:
         await self._event.wait()
-        self._event = anyio.Event()
+        self.clear()
 
 
 def default_watcher(root: str | os.PathLike[str], kind: str | None = None) -> DumpWatcher:
