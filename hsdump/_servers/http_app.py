@@ -9,6 +9,7 @@ loopback to the same endpoints a real SGLang server offers: ``POST /generate``, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -208,10 +209,10 @@ class SGLangCompatibleServer:
         logger.info("serving on %s", self.url)
 
     def _serve(self) -> None:
-        try:
+        with contextlib.suppress(
+            SystemExit
+        ):  # uvicorn exits when it cannot listen: start() says why
             self._server.run()
-        except SystemExit:
-            pass  # uvicorn exits when it cannot listen; start() reports why
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop serving and join the thread."""
