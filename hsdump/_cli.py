@@ -10,6 +10,7 @@ command to resume).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -17,10 +18,10 @@ import math
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypedDict, TypeVar
 
 import typer
 from rich.console import Console
@@ -31,6 +32,10 @@ from rich.table import Table
 from hsdump._exceptions import HsdumpError
 from hsdump._run.signals import GracefulStop, Stopped
 from hsdump._store.objstore import local_side, store_may_exist
+
+if TYPE_CHECKING:
+    from hsdump import ExportSummary, ExtractionSummary, Failure
+    from hsdump._run.inputs import Dataset, InputLimits, Shard
 
 __all__ = ["app", "main"]
 
@@ -152,7 +157,7 @@ class _ProgressView:
     """Rich progress: samples, tokens/s, MB/s, compression ratio, ETA by tokens, failures."""
 
     def __init__(self) -> None:
-        self.summary: Any = None
+        self.summary: ExtractionSummary | None = None
         self._progress = Progress(
             TextColumn("[bold]extract"),
             BarColumn(),
@@ -166,7 +171,7 @@ class _ProgressView:
         )
         self._task = self._progress.add_task("extract", total=None, samples="", rate="", failed="")
 
-    def __call__(self, summary: Any) -> None:
+    def __call__(self, summary: ExtractionSummary) -> None:
         self.summary = summary
         ratio = "-" if math.isnan(summary.ratio) else f"{summary.ratio:.2f}x"
         self._progress.update(
@@ -191,11 +196,11 @@ class _LineProgress:
     then one after a sample once ``every`` seconds have passed since the last."""
 
     def __init__(self, every: float):
-        self.summary: Any = None
+        self.summary: ExtractionSummary | None = None
         self._every = every
         self._last = -math.inf
 
-    def __call__(self, summary: Any) -> None:
+    def __call__(self, summary: ExtractionSummary) -> None:
         self.summary = summary
         if time.monotonic() - self._last >= self._every:
             self._last = time.monotonic()
@@ -208,7 +213,7 @@ class _LineProgress:
         pass
 
 
-def _progress_line(summary: Any) -> str:
+def _progress_line(summary: ExtractionSummary) -> str:
     eta = summary.eta_s
     left = "-" if eta is None else time.strftime("%H:%M:%S", time.gmtime(eta))
     return (
@@ -224,7 +229,11 @@ def _progress_view(log_every: float) -> _ProgressView | _LineProgress:
 
 
 def _print_summary(
-    summary: Any, failures_path: Path, *, fail_fast: bool = False, signalled: bool = False
+    summary: ExtractionSummary,
+    failures_path: Path,
+    *,
+    fail_fast: bool = False,
+    signalled: bool = False,
 ) -> None:
     ratio = "n/a" if math.isnan(summary.ratio) else f"{summary.ratio:.2f}x"
     state = "done"
@@ -239,7 +248,7 @@ def _print_summary(
         highlight=False,
     )
     if summary.stages:
-        busiest = max(summary.stages, key=summary.stages.get)
+        busiest = max(summary.stages, key=summary.stages.__getitem__)
         stages = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in summary.stages.items())
         console.print(
             f"time per stage (overlapping): {stages}; busiest: {busiest}", highlight=False
@@ -249,7 +258,7 @@ def _print_summary(
         console.print(f"[red]failures recorded in {failures_path}[/]", highlight=False)
 
 
-def _print_telemetry(summary: Any) -> None:
+def _print_telemetry(summary: ExtractionSummary) -> None:
     """Which side limits the run: per-stage GB/s and occupancy, cores busy, peak memory."""
     rates = summary.stage_rates()
     if rates:
@@ -264,37 +273,81 @@ def _print_telemetry(summary: Any) -> None:
     )
 
 
-async def _prepare(options: dict[str, Any], url: str, dump_dir: Path | None) -> Any:
+class _ClientOptions(TypedDict, total=False):
+    """The :class:`~hsdump.HiddenStateClient` arguments ``extract`` sets from its options."""
+
+    request_timeout: float
+    dump_timeout: float
+    watcher: Literal["inotify", "poll", "watchfiles"]
+
+
+class _StoreOptions(TypedDict, total=False):
+    """The :func:`~hsdump.open_store` arguments ``extract`` sets from its options."""
+
+    shard_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExtractOptions:
+    """``hsdump extract``'s options, checked by typer; ``shard`` and ``servers`` once parsed."""
+
+    dataset: Path
+    out: str
+    writer_id: str | None
+    concurrency: int
+    workers: int
+    retries: int
+    fail_fast: bool
+    tokenizer: Path | None
+    request_timeout: float
+    dump_timeout: float
+    watcher: Literal["inotify", "poll", "watchfiles"] | None
+    shard_tokens: int | None
+    log_every: float
+    shard: Shard | None = None
+    servers: Sequence[tuple[str, Path | None]] = ()
+
+    def client_options(self) -> _ClientOptions:
+        options = _ClientOptions(
+            request_timeout=self.request_timeout, dump_timeout=self.dump_timeout
+        )
+        if self.watcher is not None:
+            options["watcher"] = self.watcher
+        return options
+
+    def store_options(self) -> _StoreOptions:
+        return _StoreOptions(shard_tokens=self.shard_tokens) if self.shard_tokens else {}
+
+    def tokenizer_or_none(self) -> Any:
+        """The ``--tokenizer`` (a transformers tokenizer), loaded; None without the option."""
+        from hsdump._run.inputs import load_tokenizer
+
+        return load_tokenizer(self.tokenizer) if self.tokenizer else None
+
+
+async def _prepare(
+    options: _ExtractOptions, url: str, dump_dir: Path | None
+) -> tuple[Dataset, list[Failure]]:
     """Check the server (through a client that is closed again) and read the dataset."""
     from hsdump._client.client import HiddenStateClient
     from hsdump._run.inputs import InputLimits
 
-    client = HiddenStateClient(url, dump_dir=dump_dir, **_client_options(options))
+    client = HiddenStateClient(url, dump_dir=dump_dir, **options.client_options())
     async with client:
         return _read_dataset(options, InputLimits.from_server_info(client.server_info))
 
 
-def _read_dataset(options: dict[str, Any], limits: Any) -> tuple[Any, list[Any]]:
-    from hsdump._run.inputs import load_tokenizer, read_dataset
+def _read_dataset(options: _ExtractOptions, limits: InputLimits) -> tuple[Dataset, list[Failure]]:
+    from hsdump._run.inputs import read_dataset
     from hsdump._run.pipeline import Failure
 
-    tokenizer = load_tokenizer(options["tokenizer"]) if options["tokenizer"] else None
-    dataset = read_dataset(options["dataset"], limits=limits, tokenizer=tokenizer)
-    if options["shard"] is not None:
-        dataset = options["shard"].select(dataset)
+    dataset = read_dataset(options.dataset, limits=limits, tokenizer=options.tokenizer_or_none())
+    if options.shard is not None:
+        dataset = options.shard.select(dataset)
     for bad in dataset.bad_lines:
         console.print(f"[red]bad line[/] {bad.error}", highlight=False, soft_wrap=True)
     prior = [Failure(b.sample_id, b.line, "InputError", str(b.error), 0) for b in dataset.bad_lines]
     return dataset, prior
-
-
-def _client_options(options: dict[str, Any]) -> dict[str, Any]:
-    names = ("dump_timeout", "request_timeout", "watcher")
-    return {name: options[name] for name in names if options.get(name) is not None}
-
-
-def _store_options(options: dict[str, Any]) -> dict[str, Any]:
-    return {"shard_tokens": options["shard_tokens"]} if options["shard_tokens"] else {}
 
 
 async def _until_stopped(stop: GracefulStop, job: Callable[[], Awaitable[int]]) -> int:
@@ -308,7 +361,7 @@ async def _until_stopped(stop: GracefulStop, job: Callable[[], Awaitable[int]]) 
 
 
 async def _extract(
-    options: dict[str, Any], url: str, dump_dir: Path | None, stop: GracefulStop
+    options: _ExtractOptions, url: str, dump_dir: Path | None, stop: GracefulStop
 ) -> int:
     import anyio
 
@@ -320,20 +373,18 @@ async def _extract(
     client = HiddenStateClient(
         url,
         dump_dir=dump_dir,
-        max_in_flight=options["concurrency"],
-        **_client_options(options),
+        max_in_flight=options.concurrency,
+        **options.client_options(),
     )
     async with client:
         limits = InputLimits.from_server_info(client.server_info)
         dataset, prior = _read_dataset(options, limits)
-        failures_path = failures_path_for(local_side(options["out"]))
-        store_options = _store_options(options)
-        view = _progress_view(options["log_every"])
+        failures_path = failures_path_for(local_side(options.out))
+        store_options = options.store_options()
+        view = _progress_view(options.log_every)
         # A stop signal cancels the run alone: it flushes the store, and the summary follows.
         with (
-            open_store(
-                options["out"], "a", writer_id=options["writer_id"], **store_options
-            ) as store,
+            open_store(options.out, "a", writer_id=options.writer_id, **store_options) as store,
             view,
             anyio.CancelScope() as scope,
             stop.cancelling(scope),
@@ -342,10 +393,10 @@ async def _extract(
                 dataset.samples,
                 client=client,
                 store=store,
-                retries=options["retries"],
-                concurrency=options["concurrency"],
+                retries=options.retries,
+                concurrency=options.concurrency,
                 failures_path=failures_path,
-                fail_fast=options["fail_fast"],
+                fail_fast=options.fail_fast,
                 progress=view,
                 line_numbers=dataset.line_numbers,
                 prior_failures=prior,
@@ -354,13 +405,13 @@ async def _extract(
     if summary is None:
         return stop.exit_code or EXIT_INTERRUPTED
     signalled = stop.signum is not None
-    _print_summary(summary, failures_path, fail_fast=options["fail_fast"], signalled=signalled)
+    _print_summary(summary, failures_path, fail_fast=options.fail_fast, signalled=signalled)
     if signalled:
         return stop.exit_code or EXIT_INTERRUPTED
     return EXIT_OK if summary.ok else EXIT_FAILURES
 
 
-def _extract_parallel(options: dict[str, Any], url: str, dump_dir: Path | None) -> int:
+def _extract_parallel(options: _ExtractOptions, url: str, dump_dir: Path | None) -> int:
     """``--workers`` > 1: extraction in worker processes, each with its own store part."""
     import anyio
 
@@ -368,38 +419,38 @@ def _extract_parallel(options: dict[str, Any], url: str, dump_dir: Path | None) 
     from hsdump._run.pipeline import failures_path_for
 
     dataset, prior = anyio.run(_prepare, options, url, dump_dir)
-    failures_path = failures_path_for(local_side(options["out"]))
-    with _progress_view(options["log_every"]) as view:
+    failures_path = failures_path_for(local_side(options.out))
+    with _progress_view(options.log_every) as view:
         try:
             summary = run_parallel_extraction(
                 dataset.samples,
                 url=url,
                 dump_dir=dump_dir,
-                store=options["out"],
-                writer_id=options["writer_id"],
-                servers=options["servers"],
-                workers=options["workers"],
-                concurrency=options["concurrency"],
-                retries=options["retries"],
-                fail_fast=options["fail_fast"],
+                store=options.out,
+                writer_id=options.writer_id,
+                servers=options.servers,
+                workers=options.workers,
+                concurrency=options.concurrency,
+                retries=options.retries,
+                fail_fast=options.fail_fast,
                 failures_path=failures_path,
                 progress=view,
                 line_numbers=dataset.line_numbers,
                 prior_failures=prior,
-                client_options=_client_options(options),
-                store_options=_store_options(options),
+                client_options=options.client_options(),
+                store_options=options.store_options(),
             )
         except KeyboardInterrupt:
             if view.summary is not None:
                 view.summary.interrupted = True
                 _print_summary(view.summary, failures_path)
             raise
-    _print_summary(summary, failures_path, fail_fast=options["fail_fast"])
+    _print_summary(summary, failures_path, fail_fast=options.fail_fast)
     return EXIT_OK if summary.ok else EXIT_FAILURES
 
 
 def _extract_ray(
-    options: dict[str, Any], servers: Path | None, address: str | None, stop: GracefulStop
+    options: _ExtractOptions, servers: Path | None, address: str | None, stop: GracefulStop
 ) -> int:
     """``--ray``: one actor per server of the servers file, each on its server's node."""
     from hsdump._exceptions import ConfigError
@@ -412,22 +463,22 @@ def _extract_ray(
     require_ray()
     listed = read_server_nodes(servers)
     dataset, prior = _read_dataset(options, input_limits(listed[0][0]))
-    failures_path = failures_path_for(local_side(options["out"]))
-    with _progress_view(options["log_every"]) as view:
+    failures_path = failures_path_for(local_side(options.out))
+    with _progress_view(options.log_every) as view:
         try:
             summary = run_ray_extraction(
-                dataset.samples, servers=listed, store=options["out"], address=address,
-                writer_id=options["writer_id"], concurrency=options["concurrency"],
-                retries=options["retries"], fail_fast=options["fail_fast"],
+                dataset.samples, servers=listed, store=options.out, address=address,
+                writer_id=options.writer_id, concurrency=options.concurrency,
+                retries=options.retries, fail_fast=options.fail_fast,
                 failures_path=failures_path, progress=view, line_numbers=dataset.line_numbers,
-                prior_failures=prior, client_options=_client_options(options),
-                store_options=_store_options(options),
+                prior_failures=prior, client_options=options.client_options(),
+                store_options=options.store_options(),
             )  # fmt: skip
         except KeyboardInterrupt as exc:
             if stop.signum is None or isinstance(exc, Stopped):
                 raise
             raise Stopped(stop.signum) from exc  # Ray's calls raise a new, plain one
-    _print_summary(summary, failures_path, fail_fast=options["fail_fast"])
+    _print_summary(summary, failures_path, fail_fast=options.fail_fast)
     return EXIT_OK if summary.ok else EXIT_FAILURES
 
 
@@ -557,41 +608,33 @@ def extract(
     from hsdump._run.inputs import Shard
 
     _setup_logging(verbose)
-    options: dict[str, Any] = {
-        "servers": (),
-        "shard": None,
-        "writer_id": writer_id,
-        "dataset": _data_path(dataset),
-        "out": out,
-        "concurrency": concurrency,
-        "workers": workers or default_workers(),
-        "retries": retries,
-        "fail_fast": fail_fast,
-        "tokenizer": tokenizer,
-        "request_timeout": request_timeout,
-        "dump_timeout": dump_timeout,
-        "watcher": watcher,
-        "shard_tokens": shard_tokens,
-        "log_every": log_every,
-    }
+    given = _ExtractOptions(
+        dataset=_data_path(dataset), out=out, writer_id=writer_id, concurrency=concurrency,
+        workers=workers or default_workers(), retries=retries, fail_fast=fail_fast,
+        tokenizer=tokenizer, request_timeout=request_timeout, dump_timeout=dump_timeout,
+        watcher=watcher, shard_tokens=shard_tokens, log_every=log_every,
+    )  # fmt: skip
 
     def job() -> int:
         import anyio
 
+        options = given
         if shard is not None:
-            options["shard"] = Shard.parse(shard)
-            options["writer_id"] = writer_id or options["shard"].writer_id
+            parsed = Shard.parse(shard)
+            options = dataclasses.replace(
+                options, shard=parsed, writer_id=writer_id or parsed.writer_id
+            )
         if _all_stored(options):
             return EXIT_OK
         if ray:
             with GracefulStop() as stop:
                 return _extract_ray(options, servers, ray_address, stop)
         if servers is not None:
-            options["servers"] = read_servers(servers)
+            options = dataclasses.replace(options, servers=read_servers(servers))
             with GracefulStop():
-                return _extract_parallel(options, *options["servers"][0])
+                return _extract_parallel(options, *options.servers[0])
         with GracefulStop() as stop, _server(server_url, dump_dir, model) as (url, root):
-            if options["workers"] > 1:
+            if options.workers > 1:
                 return _extract_parallel(options, url, root)
             run = functools.partial(_extract, options, url, root, stop)
             return anyio.run(_until_stopped, stop, run)
@@ -599,13 +642,13 @@ def extract(
     _run_guarded(job)
 
 
-def _all_stored(options: dict[str, Any]) -> bool:
+def _all_stored(options: _ExtractOptions) -> bool:
     """Say so, and end, when the store holds every sample of the dataset: no server needed."""
     from hsdump._run.inputs import read_dataset
     from hsdump._run.pipeline import failures_path_for
     from hsdump._store.store import open_store
 
-    path, store_path = options["dataset"], options["out"]
+    path, store_path = options.dataset, options.out
     try:
         lines = _count_lines(path) if store_may_exist(store_path) else 0
         if not lines:
@@ -613,9 +656,9 @@ def _all_stored(options: dict[str, Any]) -> bool:
         with open_store(store_path, "r") as store:
             if len(store) < lines:
                 return False  # found without parsing the dataset
-            dataset = read_dataset(path, tokenizer=_tokenizer(options))
-            if options["shard"] is not None:
-                dataset = options["shard"].select(dataset)
+            dataset = read_dataset(path, tokenizer=options.tokenizer_or_none())
+            if options.shard is not None:
+                dataset = options.shard.select(dataset)
             mismatch = getattr(store, "token_mismatch", lambda sample: None)
             done = not dataset.bad_lines and all(
                 s.id in store and mismatch(s) is None for s in dataset.samples
@@ -635,12 +678,6 @@ def _all_stored(options: dict[str, Any]) -> bool:
 def _count_lines(path: Path) -> int:
     with path.open("rb") as lines:
         return sum(1 for line in lines if line.strip())
-
-
-def _tokenizer(options: dict[str, Any]) -> Any:
-    from hsdump._run.inputs import load_tokenizer
-
-    return load_tokenizer(options["tokenizer"]) if options["tokenizer"] else None
 
 
 @app.command("serve-reference")
@@ -866,7 +903,7 @@ def export(
         )
         task = progress.add_task("export", total=None, rate="")
 
-        def show(s: Any) -> None:
+        def show(s: ExportSummary) -> None:
             rate = f"{s.bytes_per_s / 1e6:,.0f} MB/s"
             progress.update(task, total=s.samples_total, completed=s.samples_done, rate=rate)
 

@@ -15,9 +15,9 @@ import pytest
 from typer.testing import CliRunner
 
 import hsdump
+from hsdump import DumpMeta, ProducerInfo, open_store
 from hsdump._cli import app
 from hsdump._servers.reference import build_default_model
-from hsdump._store.store import open_store
 from hsdump.testing import FakeServer, Fault
 
 TINY = {
@@ -278,7 +278,7 @@ class _Run:
     def __init__(self, model_dir, tmp_path, name, samples=400):
         dataset = _dataset(tmp_path / f"{name}.jsonl", *_many(samples))
         self.store = tmp_path / f"{name}.zarr"
-        command = [sys.executable, "-c", "from hsdump._cli import main; main()", "extract"]
+        command = [sys.executable, "-m", "hsdump", "extract"]
         args = [str(dataset), "--out", str(self.store), "--model", str(model_dir)]
         self.process = subprocess.Popen(
             [*command, *args, "--log-every", "3600"], stderr=subprocess.PIPE, text=True
@@ -343,8 +343,6 @@ def test_a_second_ctrl_c_during_the_cleanup_does_not_abort_it(model_dir, tmp_pat
 def test_stats_shows_the_stores_provenance_above_its_table(tmp_path):
     from store_crash_writer import make_sample
 
-    from hsdump._protocol import DumpMeta, ProducerInfo
-
     hs = make_sample(0, layers=[1, 3, 5])
     t, k, h = hs.aux_hidden_states.shape
     hs.meta = DumpMeta(
@@ -380,8 +378,22 @@ def test_stats_says_which_provenance_a_hand_built_store_lacks(tmp_path):
 def test_extract_waits_for_dumps_with_the_watcher_named_by_the_flag(
     model_dir, tmp_path, monkeypatch
 ):
-    monkeypatch.setenv("HSDUMP_WATCHER", "fanotify")  # unknown: only the flag can make it work
+    async def unused(*args):
+        raise AssertionError("the watcher of HSDUMP_WATCHER waited, not the one of --watcher")
+
+    monkeypatch.setenv("HSDUMP_WATCHER", "poll")
+    monkeypatch.setattr(hsdump.PollingWatcher, "wait", unused)
     dataset = _dataset(tmp_path / "d.jsonl", *_good(2))
     result = _extract(model_dir, tmp_path, dataset, "--watcher", "watchfiles", "--workers", "1")
     assert result.exit_code == 0, result.output
     assert _ids(tmp_path) == ["s0", "s1"]
+
+
+def test_a_malformed_setting_stops_extract_with_one_line_naming_it(fake, tmp_path, monkeypatch):
+    monkeypatch.setenv("HSDUMP_DUMP_BUDGET_BYTES", "2GB")
+    result = _extract_from(fake, tmp_path, _dataset(tmp_path / "d.jsonl", *_good(1)))
+    assert result.exit_code == 2, result.output
+    assert "error: HSDUMP_DUMP_BUDGET_BYTES is '2GB', expected a whole number of bytes" in (
+        result.output
+    )
+    assert "Traceback" not in result.output

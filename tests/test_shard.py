@@ -12,12 +12,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from hsdump import open_store
 from hsdump._cli import app
 from hsdump._run.inputs import Shard
-from hsdump._store.store import open_store
 from hsdump.testing import FakeServer
 
-CLI = [sys.executable, "-c", "from hsdump._cli import main; main()", "extract"]
+CLI = [sys.executable, "-m", "hsdump", "extract"]
 
 
 def _dataset(path: Path, n: int) -> Path:
