@@ -31,6 +31,15 @@ The tree::
     │       ├── NonFiniteValues
     │       └── DegenerateValues
     ├── StoreError                          the Zarr store
+    │   ├── StoreNotFoundError                    no store (or no bucket) at the path, mode "r"
+    │   ├── NotAStoreError                        a zarr group that is not an hsdump store
+    │   ├── StoreExistsError                      a store exists where mode "w" would create one
+    │   ├── StoreReadOnlyError                    a write to a store opened with mode "r"
+    │   ├── StoreClosedError                      a write to a store after close()
+    │   ├── StoreWriteFailedError                 a write after an earlier one failed
+    │   ├── PartLockedError                       another live writer holds the part
+    │   ├── PartLockLostError                     this writer lost its hold on the part (S3 lease)
+    │   ├── StoreIOError                          the disk or S3 failed (no space, access, network)
     │   ├── SampleExistsError
     │   ├── SampleNotFoundError (KeyError)
     │   ├── ProvenanceMismatch
@@ -57,6 +66,9 @@ __all__ = [
     "InvalidRequestId",
     "LayerMismatch",
     "NonFiniteValues",
+    "NotAStoreError",
+    "PartLockLostError",
+    "PartLockedError",
     "ProvenanceMismatch",
     "RidMismatch",
     "SampleExistsError",
@@ -69,8 +81,14 @@ __all__ = [
     "ServerTimeout",
     "ServerUnavailable",
     "ShapeMismatch",
+    "StoreClosedError",
     "StoreCorruptedError",
     "StoreError",
+    "StoreExistsError",
+    "StoreIOError",
+    "StoreNotFoundError",
+    "StoreReadOnlyError",
+    "StoreWriteFailedError",
     "TokenMismatch",
     "WorkerError",
 ]
@@ -206,6 +224,43 @@ class DegenerateValues(DumpValidationError):
 
 class StoreError(HsdumpError):
     """The hidden-state store refused an operation or is damaged."""
+
+
+class StoreNotFoundError(StoreError):
+    """No store (or, on S3, no bucket) exists where one was to be read."""
+
+
+class NotAStoreError(StoreError):
+    """The path holds a zarr group that hsdump did not create."""
+
+
+class StoreExistsError(StoreError):
+    """A store already exists where mode ``"w"`` was to create one."""
+
+
+class StoreReadOnlyError(StoreError):
+    """The store was opened with mode ``"r"``: it takes no writes."""
+
+
+class StoreClosedError(StoreError):
+    """The store was closed: open it again to write."""
+
+
+class StoreWriteFailedError(StoreError):
+    """An earlier write failed, so the store takes no more: close it and open it again."""
+
+
+class PartLockedError(StoreError):
+    """Another live writer holds the part (its file lock, or its lease on S3)."""
+
+
+class PartLockLostError(StoreError):
+    """This writer lost its hold on its part (its S3 lease was taken over or could not be
+    renewed), so it may not commit."""
+
+
+class StoreIOError(StoreError):
+    """The disk or the object store failed: no space left, access refused, endpoint unreachable."""
 
 
 class SampleExistsError(StoreError):

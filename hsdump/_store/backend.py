@@ -10,7 +10,15 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
-from hsdump._exceptions import InputError, StoreCorruptedError, StoreError
+from hsdump._exceptions import (
+    InputError,
+    NotAStoreError,
+    PartLockedError,
+    StoreCorruptedError,
+    StoreExistsError,
+    StoreIOError,
+    StoreNotFoundError,
+)
 from hsdump._store.codecs import torch_dtype_name
 from hsdump._store.objstore import (
     dependency_error,
@@ -97,7 +105,10 @@ def open_root(
     """The store's root group, created for mode ``"a"``/``"w"`` when missing.
 
     Raises:
-        StoreError: Missing (``"r"``), existing (``"w"``), not an hsdump store, or unreachable.
+        StoreNotFoundError: No store (mode ``"r"``).
+        StoreExistsError: A store exists (mode ``"w"``).
+        NotAStoreError: A zarr group that is not an hsdump store.
+        StoreIOError: The disk or S3 failed.
         StoreCorruptedError: The root's ``zarr.json`` does not decode.
     """
     import zarr
@@ -108,7 +119,7 @@ def open_root(
         root = zarr.open_group(store=store, mode="r")
     except (FileNotFoundError, zarr.errors.GroupNotFoundError) as exc:
         if mode == "r":
-            raise StoreError(
+            raise StoreNotFoundError(
                 f"no store at {where}: check the path, or write samples first"
             ) from exc
         created = _create_root(store, where)
@@ -126,9 +137,11 @@ def open_root(
             f'"attributes": {{"{ROOT_KEY}": {{"format": "hsdump-store", "version": 1}}}}}}'
         ) from exc
     if ROOT_KEY not in root.attrs:
-        raise StoreError(f"{where} is a zarr group but not an hsdump store: choose another path")
+        raise NotAStoreError(
+            f"{where} is a zarr group but not an hsdump store: choose another path"
+        )
     if mode == "w":
-        raise StoreError(
+        raise StoreExistsError(
             f"a store already exists at {where}: open it with mode='a' to append or resume, "
             "or delete it to start over"
         )
@@ -170,16 +183,16 @@ def _is_local(path: Any) -> bool:
     return isinstance(path, os.PathLike) or (isinstance(path, str) and "://" not in path)
 
 
-def os_error(exc: OSError, where: str) -> StoreError:
+def os_error(exc: OSError, where: str) -> StoreIOError:
     """hsdump's error for an OS (or S3) error on the store at ``where``."""
     if (failed := dependency_error(exc, where)) is not None:
         return failed
     if exc.errno == errno.ENOSPC:
-        return StoreError(
+        return StoreIOError(
             f"no space left on the device of {where}: free space and rerun; committed samples "
             "are safe and the rerun resumes after them"
         )
-    return StoreError(f"I/O error on the store at {where}: {redact(str(exc))}")
+    return StoreIOError(f"I/O error on the store at {where}: {redact(str(exc))}")
 
 
 def check_tensors(hs: HiddenStates) -> str:
@@ -250,7 +263,7 @@ class PartLock(Protocol):
     """A writer's hold on one part: a local file lock, an S3 lease, or nothing."""
 
     def check(self) -> None:
-        """Raise :class:`StoreError` if the part may no longer be committed to."""
+        """Raise :class:`PartLockLostError` if the part may no longer be committed to."""
 
     def release(self) -> None:
         """Let the part go (idempotent)."""
@@ -278,7 +291,7 @@ def lock_part(root: zarr.Group, name: str, where: str, writer_id: str = "") -> P
     object beside an S3 store (:mod:`hsdump._store.lease`), nothing for other stores.
 
     Raises:
-        StoreError: Another live writer holds the part.
+        PartLockedError: Another live writer holds the part.
     """
     if s3_location(root.store) is not None:
         from hsdump._store.lease import Lease
@@ -321,7 +334,7 @@ def _flock(path: Path, name: str, where: str, *, create: bool) -> int | None:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as exc:
         os.close(fd)
-        raise StoreError(
+        raise PartLockedError(
             f"another live process is writing part {name!r} of {where} (it holds {path}): give "
             "each concurrent writer its own writer_id (one part per writer)"
         ) from exc

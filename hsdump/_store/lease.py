@@ -32,7 +32,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from hsdump._exceptions import StoreError
+from hsdump._exceptions import (
+    PartLockedError,
+    PartLockLostError,
+    StoreClosedError,
+    StoreError,
+    StoreIOError,
+)
 from hsdump._settings import settings
 from hsdump._store import zarr_adapter
 from hsdump._store.objstore import call_s3, dependency_error, error_code, s3_location
@@ -118,7 +124,7 @@ class Lease:
         self._bucket, _, self._object = key.partition("/")
         self._holder, self._etag = holder, etag
         self._renewed = time.monotonic()
-        self._lost: StoreError | None = None
+        self._lost: StoreError | None = None  # PartLockLostError, or StoreClosedError
         self._mutex = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew_loop, name="hsdump-lease", daemon=True)
@@ -128,8 +134,9 @@ class Lease:
         """Take the lease of ``part`` of the S3 store ``store``, or refuse.
 
         Raises:
-            StoreError: A live writer holds it (the message names the lease, its holder and
-                age, and what to do), or S3 failed.
+            PartLockedError: A live writer holds it (the message names the lease, its holder and
+                age, and what to do).
+            StoreIOError: S3 failed.
         """
         location = s3_location(store)
         assert location is not None
@@ -201,7 +208,7 @@ class Lease:
             if self._try(where, IfMatch=found.etag):
                 self._log_takeover(found)
                 return
-        raise StoreError(
+        raise PartLockedError(
             f"the lease {self.url} of part {part!r} of {where} changed {_ATTEMPTS} times while "
             "this writer tried to take it: another writer is starting on this part; give each "
             "concurrent writer its own writer_id"
@@ -224,15 +231,15 @@ class Lease:
         except Exception as exc:
             raise self._failed(exc, where) from exc
 
-    def _failed(self, exc: Exception, where: str) -> StoreError:
-        return dependency_error(exc, where, store=self._store) or StoreError(
+    def _failed(self, exc: Exception, where: str) -> StoreIOError:
+        return dependency_error(exc, where, store=self._store) or StoreIOError(
             f"cannot use the lease {self.url}: {type(exc).__name__}"
         )
 
-    def _held(self, found: _Found, part: str, where: str) -> StoreError:
+    def _held(self, found: _Found, part: str, where: str) -> PartLockedError:
         h = found.holder
         assert h is not None
-        return StoreError(
+        return PartLockedError(
             f"part {part!r} of {where} is being written by another writer: its lease {self.url} "
             f"is held by pid {h.pid} on {h.host} (since {h.acquired_at}), renewed "
             f"{found.age_s:.0f} s ago, and expires in {max(0.0, h.ttl_s - found.age_s):.0f} s "
@@ -261,7 +268,9 @@ class Lease:
         lease was taken over learns it here, before it rewrites the part's state.
 
         Raises:
-            StoreError: Another writer took the lease over, or it could not be renewed in time.
+            PartLockLostError: Another writer took the lease over, or it could not be renewed in
+                time.
+            StoreClosedError: The lease was released.
         """
         with self._mutex:
             if self._lost is not None:
@@ -275,14 +284,14 @@ class Lease:
             self._etag = self._put(holder, IfMatch=self._etag)
         except Exception as exc:
             if isinstance(exc, FileNotFoundError) or error_code(exc) in _LOST:
-                self._lost = StoreError(
+                self._lost = PartLockLostError(
                     f"this writer lost its lease {self.url}: another writer took the part over "
                     "(or the lease was deleted), so this one stops; samples it had not "
                     "committed were not written"
                 )
                 raise self._lost from exc
             if time.monotonic() - self._renewed > self._holder.ttl_s * 0.75:
-                raise StoreError(
+                raise PartLockLostError(
                     f"cannot renew the lease {self.url} ({type(exc).__name__}) and it is about "
                     "to expire: this writer stops before another one may take the part over"
                 ) from exc
@@ -314,4 +323,4 @@ class Lease:
                 )  # fmt: skip
             except Exception as exc:  # it expires by itself
                 logger.warning("could not delete the lease %s: %s", self.url, type(exc).__name__)
-            self._lost = StoreError(f"the lease {self.url} was released: the store is closed")
+            self._lost = StoreClosedError(f"the lease {self.url} was released: the store is closed")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-from hsdump._exceptions import ConfigError, StoreError
+from hsdump._exceptions import ConfigError, StoreIOError, StoreNotFoundError
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -210,7 +210,7 @@ def check_bucket(store: Any, location: S3Location) -> None:
     try:
         call_s3(store, "head_bucket", Bucket=location.bucket)
     except FileNotFoundError as exc:  # HEAD has no body: S3 says only "404 Not Found"
-        raise StoreError(
+        raise StoreNotFoundError(
             f"the bucket of {location.url} does not exist at {endpoint(store)}: create it "
             f"(`aws s3 mb s3://{location.bucket}`), or check the URL and AWS_ENDPOINT_URL"
         ) from exc
@@ -224,8 +224,8 @@ def check_bucket(store: Any, location: S3Location) -> None:
         ) from exc
 
 
-def _unexpected(exc: BaseException, where: str) -> StoreError:
-    return StoreError(f"S3 request for {where} failed: {type(exc).__name__}: {redact(str(exc))}")
+def _unexpected(exc: BaseException, where: str) -> StoreIOError:
+    return StoreIOError(f"S3 request for {where} failed: {type(exc).__name__}: {redact(str(exc))}")
 
 
 def endpoint(store: Any) -> str:
@@ -238,7 +238,7 @@ def endpoint(store: Any) -> str:
     return describe_url(url) if url else "AWS S3's default endpoint"
 
 
-def dependency_error(exc: BaseException, where: str, *, store: Any = None) -> StoreError | None:
+def dependency_error(exc: BaseException, where: str, *, store: Any = None) -> StoreIOError | None:
     """hsdump's error for an S3 or network failure from s3fs/botocore (None for other errors).
 
     Missing buckets and keys, refused credentials and unreachable endpoints each get their own
@@ -254,18 +254,18 @@ def dependency_error(exc: BaseException, where: str, *, store: Any = None) -> St
         "NoCredentialsError",
         "PartialCredentialsError",
     ):
-        return StoreError(
+        return StoreIOError(
             f"S3 refused access to {where} at {at} ({name}: {text}): check the credentials "
             "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or storage_options key "
             "and secret) and the bucket's policy"
         )
     if "Connect" in name or "Timeout" in name or isinstance(exc, (ConnectionError, TimeoutError)):
-        return StoreError(
+        return StoreIOError(
             f"cannot reach the S3 endpoint {at} for {where} ({name}): check AWS_ENDPOINT_URL "
             "(or storage_options endpoint_url) and the network, then rerun; committed samples "
             "are safe"
         )
-    return StoreError(f"S3 request for {where} at {at} failed: {name}: {text}")
+    return StoreIOError(f"S3 request for {where} at {at} failed: {name}: {text}")
 
 
 def _cause_module(exc: BaseException) -> str:
