@@ -18,11 +18,17 @@ from zarr.storage import MemoryStore
 
 from hsdump import (
     InputError,
+    NotAStoreError,
     ProvenanceMismatch,
     SampleExistsError,
     SampleNotFoundError,
+    StoreClosedError,
     StoreCorruptedError,
-    StoreError,
+    StoreExistsError,
+    StoreIOError,
+    StoreNotFoundError,
+    StoreReadOnlyError,
+    StoreWriteFailedError,
 )
 from hsdump._protocol import DumpMeta, ProducerInfo
 from hsdump._store.shardio import PARTIAL_SUFFIX
@@ -219,17 +225,32 @@ def test_mismatched_shapes_are_refused_with_the_expected_shape() -> None:
 
 def test_modes_refuse_missing_existing_read_only_and_closed_stores(tmp_path: Path) -> None:
     path = tmp_path / "s.zarr"
-    with pytest.raises(StoreError, match="no store"):
+    with pytest.raises(StoreNotFoundError, match="no store"):
         open_store(path, "r")
     store = open_store(path, "w")
     store.write_sync(make_sample(1))
     store.close()
-    with pytest.raises(StoreError, match="closed"):
+    with pytest.raises(StoreClosedError, match="open it again"):
         store.write_sync(make_sample(2))
-    with pytest.raises(StoreError, match="mode='a'"):
+    with pytest.raises(StoreExistsError, match="mode='a'"):
         open_store(path, "w")
-    with open_store(path, "r") as reader, pytest.raises(StoreError, match="read-only"):
+    with open_store(path, "r") as reader, pytest.raises(StoreReadOnlyError, match="mode='a'"):
         reader.write_sync(make_sample(2))
+
+
+def test_a_zarr_group_that_is_not_a_store_is_refused(tmp_path: Path) -> None:
+    import zarr
+
+    zarr.open_group(tmp_path / "other.zarr", mode="w", attributes={"owner": "someone else"})
+    for mode in ("r", "a", "w"):
+        with pytest.raises(NotAStoreError, match="not an hsdump store"):
+            open_store(tmp_path / "other.zarr", mode)  # type: ignore[arg-type]
+
+
+def test_an_unknown_compression_is_refused_at_open_and_creates_nothing(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match=r"'zstd', 'lz4' or 'none', got 'brotli'"):
+        open_store(tmp_path / "s.zarr", "a", compression="brotli")  # type: ignore[arg-type]
+    assert not (tmp_path / "s.zarr").exists()
 
 
 def test_missing_sample_raises_a_key_error_naming_it() -> None:
@@ -385,11 +406,11 @@ def test_full_disk_is_reported_as_a_store_error_saying_what_to_do(
 
     monkeypatch.setattr(_shardio.ShardIO, "write", no_space)
     store = open_store(tmp_path / "s.zarr", "a")
-    with pytest.raises(StoreError, match="free space and rerun") as info:
+    with pytest.raises(StoreIOError, match="free space and rerun") as info:
         store.write_sync(make_sample(1))
         store.flush_sync()
     assert isinstance(info.value.__cause__, OSError)
-    with pytest.raises(StoreError, match="open it again to resume"):
+    with pytest.raises(StoreWriteFailedError, match="open it again to resume"):
         store.write_sync(make_sample(2))
     store.close()
     assert len(open_store(tmp_path / "s.zarr", "r")) == 0
@@ -412,7 +433,7 @@ def test_a_shard_write_that_fails_midway_leaves_no_file_and_no_temp_file(
 
     monkeypatch.setattr(os, "writev", writev_then_full)
     store = open_store(tmp_path / "s.zarr", "a")
-    with pytest.raises(StoreError, match="free space and rerun"):
+    with pytest.raises(StoreIOError, match="free space and rerun"):
         store.write_sync(make_sample(1))
         store.flush_sync()
     store.close()
@@ -573,3 +594,48 @@ def test_a_store_from_before_metadata_checksums_is_read_and_covered_once_appende
     zarr.open_array(path / "part-default" / "index" / "sample_id", mode="r+")[1] = "s9"
     with pytest.raises(StoreCorruptedError, match="index/sample_id"):
         open_store(path, "r")
+
+
+def test_a_bug_while_decoding_is_raised_as_itself_not_reported_as_damage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import numcodecs
+
+    path = _written(tmp_path)
+
+    def buggy_decode(*args: object, **kwargs: object) -> None:
+        raise TypeError("a bug in the decoder")
+
+    monkeypatch.setattr(numcodecs.Blosc, "decode", buggy_decode)
+    with open_store(path, "r") as store:
+        with pytest.raises(TypeError, match="a bug in the decoder"):
+            store["s0"]
+        with pytest.raises(TypeError, match="a bug in the decoder"):
+            store.verify()
+
+
+def _tiny(i: int) -> HiddenStates:
+    """Sample ``t<i>``: one token, H=2, one aux layer, bits that differ from every other's."""
+    bits = np.array([[[i & 0xFFFF, i >> 16], [~i & 0xFFFF, 7]]], np.uint16)
+    hidden = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+    return HiddenStates(f"t{i}", torch.tensor([i]), hidden[:, :1], hidden[:, 1], [3], None)
+
+
+def test_the_index_grows_past_its_first_chunk_and_reads_back_after_reopening(
+    tmp_path: Path,
+) -> None:
+    n = 4096 + 300  # the index holds 4,096 entries before it first grows
+    path = tmp_path / "s.zarr"
+    with open_store(path, "a", shard_tokens=1024, chunk_tokens=1) as store:
+        for i in range(n):
+            store.write_sync(_tiny(i))
+    with open_store(path, "r") as store:
+        assert len(store) == n
+        for i in range(n):
+            _assert_same(store[f"t{i}"], _tiny(i))
+    with open_store(path, "a", shard_tokens=1024, chunk_tokens=1) as store:  # resumes past it
+        store.write_sync(_tiny(n))
+    with open_store(path, "r") as store:
+        assert len(store) == n + 1
+        for i in (0, 4095, 4096, n):
+            _assert_same(store[f"t{i}"], _tiny(i))

@@ -13,7 +13,7 @@ import pytest
 import torch
 from store_crash_writer import make_sample, open_test_store
 
-from hsdump import StoreError
+from hsdump import PartLockedError
 from hsdump._store.store import open_store
 
 WRITER = Path(__file__).with_name("store_crash_writer.py")
@@ -102,6 +102,6 @@ def test_second_live_writer_of_one_part_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "s.zarr"
     with (
         open_test_store(str(path), writer_id="w0"),
-        pytest.raises(StoreError, match="own writer_id"),
+        pytest.raises(PartLockedError, match="own writer_id"),
     ):
         open_test_store(str(path), writer_id="w0")

@@ -16,7 +16,7 @@ import torch
 import zarr
 from store_crash_writer import make_sample, open_test_store
 
-from hsdump import HiddenStateStore, StoreCorruptedError, StoreError, open_store
+from hsdump import HiddenStateStore, PartLockedError, StoreCorruptedError, open_store
 
 _LEGACY_LOCK = ".hsdump-writer.lock"
 COLUMNS = ("offset", "length", "has_mask", "crc32")  # index/rows, as docs/store.md names them
@@ -66,7 +66,7 @@ def test_a_live_holder_of_the_old_lock_file_is_refused(tmp_path: Path) -> None:
     fd = os.open(path / "part-default" / _LEGACY_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # an older hsdump writing this part
-        with pytest.raises(StoreError, match=r"own writer_id") as info:
+        with pytest.raises(PartLockedError, match=r"own writer_id") as info:
             open_test_store(str(path))
         assert _LEGACY_LOCK in str(info.value)
     finally:

@@ -28,7 +28,9 @@ from hsdump._exceptions import (
     ProvenanceMismatch,
     SampleExistsError,
     SampleNotFoundError,
-    StoreError,
+    StoreClosedError,
+    StoreReadOnlyError,
+    StoreWriteFailedError,
 )
 from hsdump._store.backend import (
     Mode,
@@ -42,7 +44,12 @@ from hsdump._store.backend import (
     open_root,
     os_error,
 )
-from hsdump._store.codecs import Compression, chunk_tokens_for, codec_description
+from hsdump._store.codecs import (
+    Compression,
+    chunk_tokens_for,
+    codec_description,
+    hidden_compressors,
+)
 from hsdump._store.integrity import (
     COMMITTED_SAMPLES_KEY,
     committed_counts,
@@ -113,8 +120,14 @@ def open_store(
         The open store; close it (or use it as a context manager) to commit buffered samples.
 
     Raises:
-        StoreError: The store is missing (mode ``"r"``), exists (mode ``"w"``), is locked by
-            another live writer, or cannot be opened.
+        ConfigError: A mode, size or option that does not exist or is out of range.
+        InputError: A ``compression`` other than ``"zstd"``, ``"lz4"`` or ``"none"``.
+        StoreNotFoundError: No store at ``path`` (mode ``"r"``).
+        StoreExistsError: A store exists at ``path`` (mode ``"w"``).
+        NotAStoreError: ``path`` is a zarr group that is not an hsdump store.
+        PartLockedError: Another live writer holds this ``writer_id``'s part.
+        StoreIOError: The disk or S3 failed.
+        StoreCorruptedError: The store's or the part's metadata is damaged (the file is named).
     """
     if mode not in ("r", "a", "w"):
         raise ConfigError(f"mode must be 'r', 'a' or 'w', got {mode!r}")
@@ -122,6 +135,7 @@ def open_store(
         raise ConfigError(
             f"shard_tokens and chunk_tokens must be positive, got {shard_tokens}, {chunk_tokens}"
         )
+    hidden_compressors(compression, 2)  # refuses an unknown codec now, not at the first write
     root = open_root(path, mode, storage_options)
     return HiddenStateStore(
         root,
@@ -418,15 +432,15 @@ class HiddenStateStore:
 
     def _require_writer(self) -> PartWriter:
         if self._closed:
-            raise StoreError(f"the store at {self.where} is closed: open it again to write")
+            raise StoreClosedError(f"the store at {self.where} is closed: open it again to write")
         if self._failed is not None:
-            raise StoreError(
+            raise StoreWriteFailedError(
                 f"an earlier write to {self.where} failed ({self._failed!r}); samples buffered "
                 "since the last commit were not written: close the store and open it again to "
                 "resume after the last commit"
             )
         if self._writer is None:
-            raise StoreError(
+            raise StoreReadOnlyError(
                 f"the store at {self.where} is open read-only: open it with mode='a' to write"
             )
         return self._writer
