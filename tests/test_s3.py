@@ -22,7 +22,15 @@ import torch
 from store_crash_writer import SHARD_TOKENS, make_sample, open_test_store
 from typer.testing import CliRunner
 
-from hsdump import ConfigError, StoreCorruptedError, StoreError
+from hsdump import (
+    ConfigError,
+    PartLockedError,
+    PartLockLostError,
+    StoreCorruptedError,
+    StoreError,
+    StoreIOError,
+    StoreNotFoundError,
+)
 from hsdump._cli import app
 from hsdump._store.store import open_store, verify_store
 
@@ -119,7 +127,7 @@ def test_a_zarr_fsspec_store_object_on_s3_is_locked_and_described_like_its_url(u
     with open_test_store(fs_store, writer_id="w0") as store:  # type: ignore[arg-type]
         store.write_sync(make_sample(1))
         assert store.where == url
-        with pytest.raises(StoreError, match="lease"):
+        with pytest.raises(PartLockedError, match="lease"):
             open_test_store(url, writer_id="w0")
     assert open_store(url, "r").committed_ids() == {"s1"}
 
@@ -219,7 +227,7 @@ def test_two_writer_processes_then_one_reader_sees_both_parts(url: str) -> None:
 def test_a_second_writer_of_one_part_is_refused_naming_the_lease_and_its_holder(url: str) -> None:
     lease = f"{url}.hsdump-locks/part-w0.lease"
     with open_test_store(url, writer_id="w0"):
-        with pytest.raises(StoreError) as refused:
+        with pytest.raises(PartLockedError) as refused:
             open_test_store(url, writer_id="w0")
         message = str(refused.value)
         assert lease in message and "own writer_id" in message
@@ -252,7 +260,7 @@ def test_a_live_lease_of_another_machine_is_refused_and_an_expired_one_taken_ove
 ) -> None:
     key = "runs/s.zarr.hsdump-locks/part-w0.lease"
     s3.put_object(Bucket=bucket, Key=key, Body=_foreign_lease(ttl_s=3600))
-    with pytest.raises(StoreError, match="held by pid 1 on node-elsewhere"):
+    with pytest.raises(PartLockedError, match="held by pid 1 on node-elsewhere"):
         open_test_store(url, writer_id="w0")
     s3.put_object(Bucket=bucket, Key=key, Body=_foreign_lease(ttl_s=0))  # expired at once
     with open_test_store(url, writer_id="w0") as store:
@@ -271,7 +279,7 @@ def test_a_writer_whose_lease_was_taken_over_commits_nothing_more(
     store.flush_sync()
     s3.put_object(Bucket=bucket, Key=key, Body=_foreign_lease(ttl_s=3600))
     store.write_sync(make_sample(3))
-    with pytest.raises(StoreError, match="lost its lease"):
+    with pytest.raises(PartLockLostError, match="lost its lease"):
         store.flush_sync()
     store.close()
     assert open_store(url, "r").committed_ids() == {"s1"}
@@ -343,7 +351,7 @@ def test_credentials_never_appear_in_descriptions_messages_logs_or_the_lease(
             store.flush_sync()
             seen += [store.where, repr(store), repr(store._root), str(store._root.store)]
             seen.append(json.dumps(store["s1"].attrs))
-            with pytest.raises(StoreError) as held:
+            with pytest.raises(PartLockedError) as held:
                 open_test_store(url, writer_id="w0", storage_options=options)
             seen.append(str(held.value))
         for bad in (f"s3://{bucket}-missing/x.zarr", url.replace("s3://", "s3://K:S@")):
@@ -397,12 +405,14 @@ def test_a_whole_bucket_can_be_read_but_not_written(bucket: str) -> None:
 
 @pytest.mark.parametrize("mode", ["r", "a"])
 def test_a_missing_bucket_is_a_store_error_saying_so(s3: Any, mode: str) -> None:
-    with pytest.raises(StoreError, match=r"the bucket of s3://hsdump-no-such-bucket/x.zarr does"):
+    with pytest.raises(
+        StoreNotFoundError, match=r"the bucket of s3://hsdump-no-such-bucket/x.zarr does"
+    ):
         open_store("s3://hsdump-no-such-bucket/x.zarr", mode)  # type: ignore[arg-type]
 
 
 def test_a_missing_store_in_a_bucket_is_a_store_error_for_readers(url: str) -> None:
-    with pytest.raises(StoreError, match=f"no store at {url}"):
+    with pytest.raises(StoreNotFoundError, match=f"no store at {url}"):
         open_store(url, "r")
 
 
@@ -420,7 +430,9 @@ def test_an_unreachable_endpoint_is_a_store_error_naming_it(
         port = sock.getsockname()[1]
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # botocore's retries, read from the environment
-    with pytest.raises(StoreError, match=rf"cannot reach the S3 endpoint http://127.0.0.1:{port}"):
+    with pytest.raises(
+        StoreIOError, match=rf"cannot reach the S3 endpoint http://127.0.0.1:{port}"
+    ):
         open_store("s3://hsdump-any/x.zarr", "a")
 
 
