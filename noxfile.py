@@ -1,4 +1,4 @@
-"""The single entry point for checks: `nox -s tests`, `lint`, `mypy`, `docs`, `bench`."""
+"""The single entry point for checks: `nox -s tests`, `lint`, `mypy`, `docs`, `bench`, `compat`."""
 
 from __future__ import annotations
 
@@ -82,3 +82,15 @@ def bench(session: nox.Session) -> None:
     flags = [arg for arg in session.posargs if arg in ("--quick", "--strict")]
     for script in ("bench_store.py", "bench_pipeline.py", "bench_scale.py"):
         session.run(sys.executable, f"benchmarks/{script}", *flags, external=True)
+
+
+@nox.session
+def compat(session: nox.Session) -> None:
+    """The store's zarr compatibility tests against one zarr release: `nox -s compat -- 3.1.1`."""
+    if len(session.posargs) != 1:
+        session.error("name one zarr release: nox -s compat -- 3.1.1")
+    session.install("-c", "constraints.txt", "-e", ".", f"zarr=={session.posargs[0]}")
+    session.install("pytest>=8", "pytest-timeout>=2.3", "hypothesis>=6.100")
+    session.run("python", "-c", "import zarr; print('zarr', zarr.__version__)")
+    store_tests = ("test_zarr_compat.py", "test_store.py", "test_store_zarr.py")
+    session.run("pytest", "-p", "no:cacheprovider", *(f"tests/{name}" for name in store_tests))
