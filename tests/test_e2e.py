@@ -14,10 +14,15 @@ import pytest
 import torch
 from _models import TINY
 
-from hsdump import HiddenStateClient, Sample
-from hsdump._run.pipeline import run_extraction
-from hsdump._servers.reference import ReferenceServer, build_default_model
-from hsdump._store.store import open_store, verify_store
+from hsdump import (
+    HiddenStateClient,
+    ReferenceServer,
+    Sample,
+    open_store,
+    run_extraction,
+    verify_store,
+)
+from hsdump._servers.reference import build_default_model
 
 LENGTHS = (1, 7, 33, 128, 300)
 
@@ -120,12 +125,11 @@ def _assert_same_store(path_a, path_b, ids):
 
 
 def _cli(model_dir, dataset, store, dumps) -> list[str]:
-    code = "from hsdump._cli import main; main()"
     args = ["extract", str(dataset), "--out", str(store), "--model", str(model_dir)]
     return [
         sys.executable,
-        "-c",
-        code,
+        "-m",
+        "hsdump",
         *args,
         "--dump-dir",
         str(dumps),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hsdump._store.store import open_store
+from hsdump import open_store
 
 BUNDLED = resources.files("hsdump") / "data" / "sample.jsonl"
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

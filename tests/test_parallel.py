@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hsdump import Sample, WorkerError, run_parallel_extraction
-from hsdump._store.store import open_store, verify_store
+from hsdump import Sample, WorkerError, open_store, run_parallel_extraction, verify_store
 from hsdump.testing import FakeServer
 
 pytestmark = pytest.mark.timeout(180)
@@ -147,7 +146,7 @@ def _cli(server: FakeServer, tmp_path: Path, n: int) -> subprocess.Popen[bytes]:
     rows = [{"id": s.id, "input_ids": list(s.input_ids)} for s in _samples(n)]
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cmd = [
-        sys.executable, "-c", "from hsdump._cli import main; main()", "extract", str(dataset),
+        sys.executable, "-m", "hsdump", "extract", str(dataset),
         "--out", str(tmp_path / "s.zarr"), "--server-url", server.url, "--dump-dir",
         str(server.dump_dir), "--workers", "2", "--concurrency", "2",
     ]  # fmt: skip

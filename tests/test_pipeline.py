@@ -13,9 +13,18 @@ from collections.abc import Callable
 import anyio
 import pytest
 
-from hsdump import HiddenStateClient, HiddenStates, Sample
-from hsdump._exceptions import InputError, StoreError
-from hsdump._run.pipeline import Backoff, Failure, failures_path_for, run_extraction
+from hsdump import (
+    Backoff,
+    ExtractionSummary,
+    Failure,
+    HiddenStateClient,
+    HiddenStates,
+    InputError,
+    Sample,
+    StoreError,
+    run_extraction,
+)
+from hsdump._run.pipeline import failures_path_for
 from hsdump.testing import FakeServer, Fault
 
 pytestmark = pytest.mark.anyio
@@ -181,8 +190,6 @@ async def test_concurrent_workers_commit_every_sample_once(tmp_path):
 
 
 def test_summary_rates_and_eta_follow_the_counters():
-    from hsdump._run.pipeline import ExtractionSummary
-
     summary = ExtractionSummary(tokens_total=300, tokens_done=100, started=0.0, finished=10.0)
     assert summary.tokens_per_s == 10.0 and summary.eta_s == 20.0 and math.isnan(summary.ratio)
 
