@@ -30,9 +30,10 @@ from hsdump import (
     StoreError,
     StoreIOError,
     StoreNotFoundError,
+    open_store,
+    verify_store,
 )
 from hsdump._cli import app
-from hsdump._store.store import open_store, verify_store
 
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("s3fs")

@@ -17,8 +17,11 @@ from store_crash_writer import make_sample, open_test_store
 from zarr.storage import MemoryStore
 
 from hsdump import (
+    DumpMeta,
+    HiddenStates,
     InputError,
     NotAStoreError,
+    ProducerInfo,
     ProvenanceMismatch,
     SampleExistsError,
     SampleNotFoundError,
@@ -29,11 +32,10 @@ from hsdump import (
     StoreNotFoundError,
     StoreReadOnlyError,
     StoreWriteFailedError,
+    open_store,
+    verify_store,
 )
-from hsdump._protocol import DumpMeta, ProducerInfo
 from hsdump._store.shardio import PARTIAL_SUFFIX
-from hsdump._store.store import open_store, verify_store
-from hsdump._types import HiddenStates
 
 # NaN, +-Inf, -0, the smallest and largest subnormals (positive and negative), the largest finite.
 SPECIAL_BF16 = [0x7FC0, 0xFFC1, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x007F, 0x8001, 0x807F, 0x7F7F]
@@ -333,29 +335,34 @@ def test_counters_report_raw_stored_bytes_and_tokens(tmp_path: Path) -> None:
         assert 0 < store.bytes_stored < store.bytes_raw
 
 
+class _GatedStore(MemoryStore):
+    """A zarr store whose first write of an array's metadata waits for ``gate`` (10 s at most)."""
+
+    gate: threading.Event | None = None
+    waited: list[bool] | None = None
+
+    async def set(self, key: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        first = self.waited == [] and key.endswith("hidden/zarr.json")
+        if self.gate is not None and self.waited is not None and first:
+            self.waited.append(self.gate.wait(timeout=10))  # on zarr's thread, not the loop's
+        await super().set(key, value, *args, **kwargs)
+
+
 @pytest.mark.anyio
-async def test_async_write_runs_off_the_event_loop(tmp_path: Path) -> None:
-    store = open_store(tmp_path / "s.zarr", "a")
-    loop_ran = threading.Event()
-    seen: list[bool] = []
-    add = store._writer.add  # type: ignore[union-attr]
-
-    def slow_add(*args: object) -> None:
-        # Completes only if the event loop keeps running while the write is in progress.
-        seen.append(loop_ran.wait(timeout=10))
-        add(*args)  # type: ignore[arg-type]
-
-    store._writer.add = slow_add  # type: ignore[union-attr,method-assign]
+async def test_async_write_runs_off_the_event_loop() -> None:
+    backend = _GatedStore()
+    backend.gate, backend.waited = threading.Event(), []
+    store = open_store(backend, "a")
 
     async def tick() -> None:
-        await anyio.sleep(0.01)
-        loop_ran.set()
+        await anyio.sleep(0.01)  # runs only if the loop is free while the first write blocks
+        backend.gate.set()  # type: ignore[union-attr]
 
     async with store, anyio.create_task_group() as tg:
         tg.start_soon(tick)
         assert await store.write(make_sample(1)) is True
-    assert seen == [True]
-    with open_store(tmp_path / "s.zarr", "r") as reader:
+    assert backend.waited == [True]
+    with open_store(backend, "r") as reader:
         assert "s1" in reader
 
 
@@ -398,14 +405,13 @@ def test_full_disk_is_reported_as_a_store_error_saying_what_to_do(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import errno
-
-    import hsdump._store.shardio as _shardio
+    import os
 
     def no_space(*args: object) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(_shardio.ShardIO, "write", no_space)
     store = open_store(tmp_path / "s.zarr", "a")
+    monkeypatch.setattr(os, "writev", no_space)  # how the store writes shards and chunks
     with pytest.raises(StoreIOError, match="free space and rerun") as info:
         store.write_sync(make_sample(1))
         store.flush_sync()

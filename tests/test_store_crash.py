@@ -13,8 +13,7 @@ import pytest
 import torch
 from store_crash_writer import make_sample, open_test_store
 
-from hsdump import PartLockedError
-from hsdump._store.store import open_store
+from hsdump import PartLockedError, open_store
 
 WRITER = Path(__file__).with_name("store_crash_writer.py")
 pytestmark = pytest.mark.slow
