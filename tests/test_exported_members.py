@@ -88,6 +88,13 @@ def test_the_public_surface_is_exactly_these_names() -> None:
     assert dir(hsdump) == PUBLIC
 
 
+def test_every_error_class_is_exported() -> None:
+    """Callers catch hsdump's errors by class: each one defined is one they can import."""
+    import hsdump._exceptions
+
+    assert set(hsdump._exceptions.__all__) <= set(hsdump.__all__)
+
+
 def test_all_is_sorted() -> None:
     assert hsdump.__all__ == sorted(hsdump.__all__)
 
