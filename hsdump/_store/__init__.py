@@ -5,5 +5,5 @@ appends samples to one part and commits them; ``shardbuf`` and ``shardio`` place
 buffers and write and read whole shards; ``codecs``, ``stats``, ``integrity`` and ``provenance``
 hold the compression, the per-layer statistics, the checksums and what produced a sample;
 ``backend``, ``objstore`` and ``lease`` open roots on local disks and on S3 and lock parts;
-``reader`` reads samples back.
+``reader`` reads samples back; ``zarr_adapter`` holds every use of zarr beyond its documented API.
 """
