@@ -46,7 +46,7 @@ from hsdump._run.pipeline import (
 from hsdump._run.worker import COUNTERS, STOP_GRACE_S, WorkerSpec, worker_main
 from hsdump._types import Sample
 
-__all__ = ["run_parallel_extraction"]
+__all__ = ["committed_ids", "run_parallel_extraction"]
 
 logger = logging.getLogger(__name__)
 
@@ -248,7 +248,7 @@ class _Parallel:
             # may not have): no need to read the store.
             committed = set(worker.given) - worker.failed
         else:
-            committed = self._committed_ids()
+            committed = committed_ids(self.store_path)
         left = [
             s
             for sid, s in worker.given.items()
@@ -276,15 +276,6 @@ class _Parallel:
         self.closed["peak_rss_bytes"] = max(
             self.closed["peak_rss_bytes"], counters.get("peak_rss_bytes", 0)
         )
-
-    def _committed_ids(self) -> set[str]:
-        from hsdump._store.store import open_store
-
-        try:
-            with open_store(self.store_path, "r") as store:
-                return store.committed_ids()
-        except HsdumpError:
-            return set()  # no store yet: nothing was committed
 
     def _end(self) -> None:
         for worker in self._live():
@@ -434,6 +425,17 @@ def run_parallel_extraction(
             summary.interrupted = summary.interrupted or bool(runner.pending)
     summary.finished = time.monotonic()
     return summary
+
+
+def committed_ids(store: str) -> set[str]:
+    """The ids committed in ``store`` (none if there is no store yet)."""
+    from hsdump._store.store import open_store
+
+    try:
+        with open_store(store, "r") as opened:
+            return opened.committed_ids()
+    except HsdumpError:
+        return set()
 
 
 def _absent(store: str) -> bool:

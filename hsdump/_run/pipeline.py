@@ -41,6 +41,7 @@ __all__ = [
     "Backoff",
     "ExtractionSummary",
     "Extractor",
+    "ExtractorSpec",
     "Failure",
     "SampleSink",
     "failures_path_for",
@@ -129,6 +130,20 @@ class Failure:
             "attempts": self.attempts,
         }
         return json.dumps(record)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExtractorSpec:
+    """What a process that extracts (a worker, a Ray actor) needs to open its client and store."""
+
+    url: str
+    dump_dir: str | None
+    store: str
+    concurrency: int
+    retries: int
+    fail_fast: bool
+    client_options: Mapping[str, Any] = field(default_factory=dict)
+    store_options: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass

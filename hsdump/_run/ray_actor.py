@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +22,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from hsdump._exceptions import HsdumpError, StoreError
 from hsdump._run.pipeline import (
     ExtractionSummary,
+    ExtractorSpec,
     Failure,
     _store_bytes,
     peak_rss_bytes,
@@ -47,21 +47,13 @@ class _Start:
     client: ClientStats
 
 
-@dataclass(frozen=True)
-class ActorSpec:
+@dataclass(frozen=True, kw_only=True)
+class ActorSpec(ExtractorSpec):
     """What one actor needs: its server, the store, and the first part name to try."""
 
     server: int
-    url: str
-    dump_dir: str | None
-    store: str
     part: str  # parts are "<part>-a<n>", n from ``attempt`` on
     attempt: int
-    concurrency: int
-    retries: int
-    fail_fast: bool
-    client_options: Mapping[str, Any] = field(default_factory=dict)
-    store_options: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass

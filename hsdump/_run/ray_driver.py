@@ -37,8 +37,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hsdump._exceptions import ConfigError, HsdumpError, WorkerError
-from hsdump._run.parallel import _plan, _sigterm_as_interrupt
+from hsdump._exceptions import ConfigError, WorkerError
+from hsdump._run.parallel import _plan, _sigterm_as_interrupt, committed_ids
 from hsdump._run.pipeline import ExtractionSummary, Failure, ProgressCallback, _FailureLog
 from hsdump._run.ray_actor import ActorSpec, BatchResult, ExtractionActor
 from hsdump._run.ray_cluster import ServerEntry, connected, require_ray, resolve_nodes, writer_gone
@@ -238,7 +238,7 @@ class _RayRun:
             )  # fmt: skip
             self.held_back.extend(leased)
             return
-        committed = self._committed_ids()
+        committed = committed_ids(self.store)
         done = [s for s in leased if s.id in committed]
         per_token = self.closed["bytes_raw"] / max(self.closed["tokens_done"], 1)
         tokens = sum(len(s.input_ids) for s in done)
@@ -247,15 +247,6 @@ class _RayRun:
         self.closed["bytes_raw"] += int(tokens * per_token)
         if not self.stopping:
             self.pending.extendleft(reversed([s for s in leased if s.id not in committed]))
-
-    def _committed_ids(self) -> set[str]:
-        from hsdump._store.store import open_store
-
-        try:
-            with open_store(self.store, "r") as store:
-                return store.committed_ids()
-        except HsdumpError:
-            return set()  # no store yet: nothing was committed
 
     def _node_alive(self, node: str) -> bool:
         return any(n["NodeID"] == node and n["Alive"] for n in self.ray.nodes())

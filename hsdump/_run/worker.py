@@ -14,7 +14,6 @@ import math
 import os
 import signal
 from collections import deque
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +23,7 @@ from anyio.abc import TaskGroup
 
 from hsdump._cores import ENV_CORES
 from hsdump._exceptions import HsdumpError
-from hsdump._run.pipeline import ExtractionSummary, run_extraction
+from hsdump._run.pipeline import ExtractionSummary, ExtractorSpec, run_extraction
 from hsdump._types import Sample
 
 __all__ = ["COUNTERS", "STOP_GRACE_S", "WorkerSpec", "worker_main"]
@@ -72,19 +71,11 @@ class _ParentGate:
             self._conn.send(("release",))
 
 
-@dataclass(frozen=True)
-class WorkerSpec:
+@dataclass(frozen=True, kw_only=True)
+class WorkerSpec(ExtractorSpec):
     """What one worker process needs to open its client and its store part."""
 
     index: int
-    url: str
-    dump_dir: str | None
-    store: str
-    concurrency: int
-    retries: int
-    fail_fast: bool
-    client_options: Mapping[str, Any] = field(default_factory=dict)
-    store_options: Mapping[str, Any] = field(default_factory=dict)
     part: str | None = None
     server: int = 0  # which of the run's servers (each has its own bound on requests in flight)
     parent_pid: int = 0
