@@ -32,6 +32,7 @@ from hsdump._exceptions import (
     StoreReadOnlyError,
     StoreWriteFailedError,
 )
+from hsdump._protocol import dtype_spec
 from hsdump._store.backend import (
     Mode,
     PartLock,
@@ -386,7 +387,7 @@ class HiddenStateStore:
 
         dtype = check_tensors(hs)
         prov = provenance_of(
-            hs, dtype, codec_description(self._compression, 2 if dtype != "float32" else 4)
+            hs, dtype, codec_description(self._compression, dtype_spec(dtype).itemsize)
         )
         self._check_provenance(writer, prov, hs.sample_id)
         ids = ids_int32(hs)
