@@ -61,7 +61,7 @@ def main() -> None:
             store = work / f"{final_norm}.zarr"
             with open_store(store, "w") as s:
                 for i in range(args.samples):
-                    s.write_sync(sample(i, args.tokens, args.hidden, final_norm))
+                    s.write(sample(i, args.tokens, args.hidden, final_norm))
             out = out_root / f"hsdump-bench-{fmt}"
             shutil.rmtree(out, ignore_errors=True)
             r = export_store(store, out, format=fmt)  # type: ignore[arg-type]

@@ -181,7 +181,7 @@ async def store_alone(server: Server, batch: list[Sample], work: Path) -> Run:
         meter = CpuMeter(server)
         meter.start()
         for hs in states if attempt else states[:2]:
-            await store.write(hs)
+            await store.awrite(hs)
         await store.aclose()
         if attempt:
             runs.append(meter.stop(sum(hs.num_tokens for hs in states), len(states)))
@@ -215,10 +215,10 @@ class Discard:
     def __contains__(self, sample_id: object) -> bool:
         return False
 
-    async def write(self, states: object) -> bool:
+    async def awrite(self, states: object) -> bool:
         return True
 
-    async def flush(self) -> None:
+    async def aflush(self) -> None:
         return None
 
 

@@ -76,7 +76,7 @@ def write_designs(root: Path, data: list[HiddenStates]) -> None:
 
     with open_store(root / "store", "w") as store:
         for hs in data:
-            store.write_sync(hs)
+            store.write(hs)
     (root / "st").mkdir()
     for hs in data:
         fields = {

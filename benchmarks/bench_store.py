@@ -107,7 +107,7 @@ async def write_store(
     t0 = time.perf_counter()
     async with open_store(path, "w", compression=compression) as store:  # type: ignore[arg-type]
         for hs in data:
-            await store.write(hs)
+            await store.awrite(hs)
     elapsed = time.perf_counter() - t0
     stop.set()
     await beat
@@ -186,7 +186,7 @@ def open_time_at_scale(root: Path, n: int) -> tuple[float, float]:
     path = root / "index37k"
     with open_store(path, "w", chunk_tokens=64, shard_tokens=DEFAULT_SHARD_TOKENS) as store:
         for i in range(n):
-            store.write_sync(HiddenStates(f"sample-{i:06d}", ids, aux, final, [1, 2, 3]))
+            store.write(HiddenStates(f"sample-{i:06d}", ids, aux, final, [1, 2, 3]))
     times, cold = [], math.nan
     for attempt in range(6):
         dropped = attempt == 0 and drop_caches()

@@ -53,7 +53,7 @@ def main(path: str, n: int, writer_id: str, stride: int, offset: int) -> None:
     written = 0
     with open_test_store(path, writer_id=writer_id) as store:
         for i in range(offset, n, stride):
-            written += store.write_sync(make_sample(i), if_exists="skip")
+            written += store.write(make_sample(i), if_exists="skip")
             print(f"wrote {i}", flush=True)
     print(f"END {written}", flush=True)
 

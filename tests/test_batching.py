@@ -26,7 +26,7 @@ def store_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("batching") / "s.zarr"
     with open_store(path, "a", shard_tokens=512, chunk_tokens=16) as store:
         for i in range(N):
-            store.write_sync(make_sample(i))
+            store.write(make_sample(i))
     return path
 
 

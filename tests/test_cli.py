@@ -352,7 +352,7 @@ def test_stats_shows_the_stores_provenance_above_its_table(tmp_path):
         model_path="org/model",
     )  # fmt: skip
     with open_store(tmp_path / "s.zarr", "a") as store:
-        store.write_sync(hs)
+        store.write(hs)
     result = runner.invoke(app, ["stats", str(tmp_path / "s.zarr")])
     assert result.exit_code == 0, result.output
     provenance = result.output.split("non-finite", 1)[0]  # printed above the table
@@ -366,7 +366,7 @@ def test_stats_says_which_provenance_a_hand_built_store_lacks(tmp_path):
     from store_crash_writer import make_sample
 
     with open_store(tmp_path / "s.zarr", "a") as store:
-        store.write_sync(make_sample(1, layers=[0, 2]))
+        store.write(make_sample(1, layers=[0, 2]))
     result = runner.invoke(app, ["stats", str(tmp_path / "s.zarr")])
     assert result.exit_code == 0, result.output
     assert "model: unknown (not recorded)" in result.output

@@ -660,7 +660,7 @@ async def test_fp16_and_fp32_dumps_reach_the_store_bit_exact(tmp_path: Path, dty
     assert np.array_equal(spec.bits_of(states.aux_hidden_states), aux)
     assert np.array_equal(spec.bits_of(states.final_hidden_state), final)
     with open_store(tmp_path / "s.zarr", mode="a") as store:
-        await store.write(states)
+        await store.awrite(states)
     with open_store(tmp_path / "s.zarr", mode="r") as store:
         back, stats = store[s.id], store.stats()
     assert torch.equal(back.aux_hidden_states, states.aux_hidden_states)

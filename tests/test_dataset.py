@@ -19,7 +19,7 @@ def store_path(tmp_path: Path) -> Path:
     path = tmp_path / "s.zarr"
     with open_store(path, "a", shard_tokens=128, chunk_tokens=16) as store:
         for i in range(10):
-            store.write_sync(make_sample(i))
+            store.write(make_sample(i))
     return path
 
 

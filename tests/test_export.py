@@ -50,7 +50,7 @@ def _store(path: Path, final_norm: str | None, numbers: range = range(N)) -> Pat
     with open_store(path, "a", shard_tokens=256, chunk_tokens=16) as store:
         for i in numbers:
             hs = make_sample(i)
-            store.write_sync(_with_norm(hs, final_norm) if final_norm else hs, if_exists="skip")
+            store.write(_with_norm(hs, final_norm) if final_norm else hs, if_exists="skip")
     return path
 
 
@@ -245,7 +245,7 @@ def test_a_store_without_a_record_exports_once_told_what_its_final_state_is(
 
 def test_specforge_refuses_other_than_three_aux_layers(tmp_path: Path) -> None:
     with open_store(tmp_path / "s.zarr", "a") as store:
-        store.write_sync(_with_norm(make_sample(1, layers=[2, 5]), "post_norm"))
+        store.write(_with_norm(make_sample(1, layers=[2, 5]), "post_norm"))
     with pytest.raises(ExportError, match=r"three aux layers.*holds 2 \(layer_ids \[2, 5\]\)"):
         export_store(tmp_path / "s.zarr", tmp_path / "out", format="specforge")
 
@@ -362,7 +362,7 @@ def test_a_directory_that_is_not_an_export_of_this_kind_is_refused(
     with pytest.raises(ExportError, match=r"holds a specforge export, not speculators"):
         export_store(post_norm, tmp_path / "sf", format="speculators")
     with open_store(tmp_path / "other.zarr", "a") as other:
-        other.write_sync(_with_norm(make_sample(1), "post_norm", model="org/other-model"))
+        other.write(_with_norm(make_sample(1), "post_norm", model="org/other-model"))
     with pytest.raises(ExportError, match=r"store with other settings \(differing: model_path\)"):
         export_store(tmp_path / "other.zarr", tmp_path / "sf", format="specforge")
 

@@ -117,7 +117,7 @@ def test_the_types_users_receive_are_the_exported_ones(tmp_path: Path) -> None:
 
     path = tmp_path / "s.zarr"
     with hsdump.open_store(path, "a") as store:
-        store.write_sync(make_sample(0))
+        store.write(make_sample(0))
     with hsdump.open_store(path, "r") as store:
         assert type(store.provenance) is hsdump.Provenance
         assert {type(layer) for layer in store.stats()} == {hsdump.LayerStats}

@@ -43,14 +43,14 @@ class MemoryStore:
     def __contains__(self, sample_id: object) -> bool:
         return sample_id in self.samples
 
-    async def write(self, states: HiddenStates) -> None:
+    async def awrite(self, states: HiddenStates) -> None:
         if states.sample_id in self.refuse:
             raise self.refuse[states.sample_id]
         self.samples[states.sample_id] = states
         self.writes.append(states.sample_id)
         self.pending += states.nbytes
 
-    async def flush(self) -> None:
+    async def aflush(self) -> None:
         self.flushes += 1
         self.bytes_raw += self.pending
         self.bytes_stored += self.pending // 2
@@ -213,11 +213,11 @@ class WaitingStore(MemoryStore):
         self.came: dict[str, bool] = {}
         self.write_s = 0.0
 
-    async def write(self, states: HiddenStates) -> None:
+    async def awrite(self, states: HiddenStates) -> None:
         started = time.perf_counter()
         event = self.ready(states.sample_id)
         self.came[states.sample_id] = await anyio.to_thread.run_sync(event.wait, 10)
-        await super().write(states)
+        await super().awrite(states)
         self.write_s += time.perf_counter() - started
 
 

@@ -109,7 +109,7 @@ def test_samples_read_back_bit_identical_to_the_same_samples_in_a_local_store(
     for where in (url, str(tmp_path / "local.zarr")):
         with open_test_store(where, writer_id="w0") as store:
             for i in ids:
-                store.write_sync(make_sample(i))
+                store.write(make_sample(i))
     with open_store(url, "r") as remote, open_store(tmp_path / "local.zarr", "r") as local:
         assert remote.committed_ids() == local.committed_ids() == {f"s{i}" for i in ids}
         for i in ids:
@@ -126,7 +126,7 @@ def test_a_zarr_fsspec_store_object_on_s3_is_locked_and_described_like_its_url(u
 
     fs_store = FsspecStore.from_url(url, storage_options={"use_listings_cache": False})
     with open_test_store(fs_store, writer_id="w0") as store:  # type: ignore[arg-type]
-        store.write_sync(make_sample(1))
+        store.write(make_sample(1))
         assert store.where == url
         with pytest.raises(PartLockedError, match="lease"):
             open_test_store(url, writer_id="w0")
@@ -202,7 +202,7 @@ def test_reopening_a_part_aborts_the_unfinished_uploads_a_killed_writer_left(
     url: str, s3: Any, bucket: str
 ) -> None:
     with open_test_store(url, writer_id="w0") as store:
-        store.write_sync(make_sample(1))
+        store.write(make_sample(1))
     key = "runs/s.zarr/part-w0/hidden/c.9.0.0"
     upload = s3.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
     s3.upload_part(Bucket=bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"x" * 1024)
@@ -265,7 +265,7 @@ def test_a_live_lease_of_another_machine_is_refused_and_an_expired_one_taken_ove
         open_test_store(url, writer_id="w0")
     s3.put_object(Bucket=bucket, Key=key, Body=_foreign_lease(ttl_s=0))  # expired at once
     with open_test_store(url, writer_id="w0") as store:
-        store.write_sync(make_sample(2))
+        store.write(make_sample(2))
         held = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
         assert held["pid"] == __import__("os").getpid()
     assert open_store(url, "r").committed_ids() == {"s2"}
@@ -276,12 +276,12 @@ def test_a_writer_whose_lease_was_taken_over_commits_nothing_more(
 ) -> None:
     key = "runs/s.zarr.hsdump-locks/part-w0.lease"
     store = open_test_store(url, writer_id="w0")
-    store.write_sync(make_sample(1))
-    store.flush_sync()
+    store.write(make_sample(1))
+    store.flush()
     s3.put_object(Bucket=bucket, Key=key, Body=_foreign_lease(ttl_s=3600))
-    store.write_sync(make_sample(3))
+    store.write(make_sample(3))
     with pytest.raises(PartLockLostError, match="lost its lease"):
-        store.flush_sync()
+        store.flush()
     store.close()
     assert open_store(url, "r").committed_ids() == {"s1"}
     assert json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())["pid"] == 1
@@ -302,7 +302,7 @@ def test_verify_store_on_s3_passes_then_names_the_samples_of_a_damaged_object(
 ) -> None:
     with open_test_store(url, writer_id="w0") as store:
         for i in range(4):
-            store.write_sync(make_sample(i))
+            store.write(make_sample(i))
     clean = runner.invoke(app, ["verify-store", url])
     assert clean.exit_code == 0, clean.output
     assert "checked 4 samples: 4 intact, 0 corrupted" in clean.output
@@ -316,7 +316,7 @@ def test_verify_store_on_s3_passes_then_names_the_samples_of_a_damaged_object(
 
 def test_a_damaged_part_state_on_s3_is_named(url: str, s3: Any, bucket: str) -> None:
     with open_test_store(url, writer_id="w0") as store:
-        store.write_sync(make_sample(1))
+        store.write(make_sample(1))
     s3.put_object(Bucket=bucket, Key="runs/s.zarr/part-w0/zarr.json", Body=b"{not json")
     with pytest.raises(StoreCorruptedError, match=rf"{url}/part-w0/zarr.json is damaged"):
         verify_store(url)
@@ -324,7 +324,7 @@ def test_a_damaged_part_state_on_s3_is_named(url: str, s3: Any, bucket: str) -> 
 
 def test_stats_reads_an_s3_store_from_the_cli(url: str) -> None:
     with open_test_store(url, writer_id="w0") as store:
-        store.write_sync(make_sample(3))
+        store.write(make_sample(3))
     result = runner.invoke(app, ["stats", url])
     assert result.exit_code == 0, result.output
     assert f"1 samples, {make_sample(3).input_ids.numel():,} tokens in {url}" in result.output
@@ -348,8 +348,8 @@ def test_credentials_never_appear_in_descriptions_messages_logs_or_the_lease(
     seen: list[str] = []
     with caplog.at_level(logging.DEBUG):
         with open_test_store(url, writer_id="w0", storage_options=options) as store:
-            store.write_sync(make_sample(1))
-            store.flush_sync()
+            store.write(make_sample(1))
+            store.flush()
             seen += [store.where, repr(store), repr(store._root), str(store._root.store)]
             seen.append(json.dumps(store["s1"].attrs))
             with pytest.raises(PartLockedError) as held:

@@ -88,8 +88,8 @@ def test_bf16_round_trip_is_bit_exact_with_nan_inf_negative_zero_and_subnormals(
 ) -> None:
     sample = _from_bits(bits, mask=mask)
     with open_store(MemoryStore(), "a", shard_tokens=32, chunk_tokens=8) as store:
-        store.write_sync(sample)
-        store.flush_sync()
+        store.write(sample)
+        store.flush()
         _assert_same(store["x"], sample)
 
 
@@ -99,7 +99,7 @@ def test_other_float_dtypes_round_trip_bit_exact(dtype: torch.dtype) -> None:
     want.aux_hidden_states = want.aux_hidden_states.to(dtype)
     want.final_hidden_state = want.final_hidden_state.to(dtype)
     with open_store(MemoryStore(), "a") as store:
-        store.write_sync(want)
+        store.write(want)
     _assert_same(store["s3"], want)
 
 
@@ -107,10 +107,10 @@ def test_samples_survive_close_reopen_and_appending_into_a_partial_shard(tmp_pat
     path = str(tmp_path / "s.zarr")
     with open_test_store(path) as store:
         for i in range(5):
-            store.write_sync(make_sample(i))
+            store.write(make_sample(i))
     with open_test_store(path) as store:
         for i in range(5, 12):
-            store.write_sync(make_sample(i))
+            store.write(make_sample(i))
     with open_store(path, "r") as store:
         assert sorted(store) == sorted(f"s{i}" for i in range(12))
         for i in range(12):
@@ -124,8 +124,8 @@ def test_plain_zarr_reads_the_bits_hsdump_wrote(tmp_path: Path) -> None:
     path = tmp_path / "s.zarr"
     with open_test_store(str(path)) as store:
         for i in range(6):
-            store.write_sync(make_sample(i))
-        store.flush_sync()
+            store.write(make_sample(i))
+        store.flush()
         part, offset, length = store.locate("s4")
     group = zarr.open_group(path, mode="r")
     bits = group[f"{part}/hidden"][offset : offset + length]
@@ -140,39 +140,39 @@ def test_plain_zarr_reads_the_bits_hsdump_wrote(tmp_path: Path) -> None:
 
 def test_buffered_samples_become_visible_on_flush() -> None:
     with open_store(MemoryStore(), "a", shard_tokens=4096, chunk_tokens=16) as store:
-        store.write_sync(make_sample(1))
+        store.write(make_sample(1))
         assert "s1" not in store and len(store) == 0
-        store.flush_sync()
+        store.flush()
         assert "s1" in store and list(store) == ["s1"] and store.committed_ids() == {"s1"}
 
 
 def test_duplicate_id_is_refused_whether_committed_or_buffered() -> None:
     with open_store(MemoryStore(), "a", shard_tokens=4096) as store:
-        store.write_sync(make_sample(1))
+        store.write(make_sample(1))
         with pytest.raises(SampleExistsError, match="if_exists='skip'"):
-            store.write_sync(make_sample(1))
-        store.flush_sync()
+            store.write(make_sample(1))
+        store.flush()
         with pytest.raises(SampleExistsError, match="s1"):
-            store.write_sync(make_sample(1))
+            store.write(make_sample(1))
         assert len(store) == 1
 
 
 def test_skip_leaves_the_stored_sample_unchanged() -> None:
     with open_store(MemoryStore(), "a") as store:
-        assert store.write_sync(make_sample(1)) is True
+        assert store.write(make_sample(1)) is True
         other = make_sample(2)
         other.sample_id = "s1"
-        assert store.write_sync(other, if_exists="skip") is False
+        assert store.write(other, if_exists="skip") is False
     _assert_same(store["s1"], make_sample(1))
 
 
 def test_sample_with_other_layers_is_refused_naming_both_values() -> None:
     with open_store(MemoryStore(), "a") as store:
-        store.write_sync(make_sample(1))
+        store.write(make_sample(1))
         with pytest.raises(
             ProvenanceMismatch, match=r"layer_ids.*\[2, 5, 7\].*\[1, 2, 3\].*new store"
         ):
-            store.write_sync(make_sample(2, layers=[1, 2, 3]))
+            store.write(make_sample(2, layers=[1, 2, 3]))
 
 
 def _with_meta(hs: HiddenStates, model: str) -> HiddenStates:
@@ -195,10 +195,10 @@ def _with_meta(hs: HiddenStates, model: str) -> HiddenStates:
 
 def test_sample_from_another_model_is_refused_and_provenance_is_recorded(tmp_path: Path) -> None:
     with open_store(tmp_path / "s.zarr", "a") as store:
-        store.write_sync(_with_meta(make_sample(1), "org/model-a"))
-        store.write_sync(make_sample(3))  # built by hand: only its tensors are compared
+        store.write(_with_meta(make_sample(1), "org/model-a"))
+        store.write(make_sample(3))  # built by hand: only its tensors are compared
         with pytest.raises(ProvenanceMismatch, match=r"model_path.*org/model-a.*org/model-b"):
-            store.write_sync(_with_meta(make_sample(2), "org/model-b"))
+            store.write(_with_meta(make_sample(2), "org/model-b"))
     with open_store(tmp_path / "s.zarr", "r") as store:
         prov = store.provenance
         assert (
@@ -210,19 +210,19 @@ def test_sample_from_another_model_is_refused_and_provenance_is_recorded(tmp_pat
 
 def test_second_writer_part_with_other_settings_is_refused(tmp_path: Path) -> None:
     with open_store(tmp_path / "s.zarr", "a", writer_id="a") as store:
-        store.write_sync(make_sample(1))
+        store.write(make_sample(1))
     with (
         open_store(tmp_path / "s.zarr", "a", writer_id="b") as store,
         pytest.raises(ProvenanceMismatch),
     ):
-        store.write_sync(make_sample(2, hidden=16))
+        store.write(make_sample(2, hidden=16))
 
 
 def test_mismatched_shapes_are_refused_with_the_expected_shape() -> None:
     bad = make_sample(1)
     bad.final_hidden_state = bad.final_hidden_state[:, :5]
     with open_store(MemoryStore(), "a") as store, pytest.raises(InputError, match="aux must be"):
-        store.write_sync(bad)
+        store.write(bad)
 
 
 def test_modes_refuse_missing_existing_read_only_and_closed_stores(tmp_path: Path) -> None:
@@ -230,14 +230,14 @@ def test_modes_refuse_missing_existing_read_only_and_closed_stores(tmp_path: Pat
     with pytest.raises(StoreNotFoundError, match="no store"):
         open_store(path, "r")
     store = open_store(path, "w")
-    store.write_sync(make_sample(1))
+    store.write(make_sample(1))
     store.close()
     with pytest.raises(StoreClosedError, match="open it again"):
-        store.write_sync(make_sample(2))
+        store.write(make_sample(2))
     with pytest.raises(StoreExistsError, match="mode='a'"):
         open_store(path, "w")
     with open_store(path, "r") as reader, pytest.raises(StoreReadOnlyError, match="mode='a'"):
-        reader.write_sync(make_sample(2))
+        reader.write(make_sample(2))
 
 
 def test_a_zarr_group_that_is_not_a_store_is_refused(tmp_path: Path) -> None:
@@ -268,7 +268,7 @@ def test_memory_store_backend_is_shared_by_a_second_handle() -> None:
     backend = MemoryStore()
     with open_store(backend, "a") as store:
         for i in range(4):
-            store.write_sync(make_sample(i))
+            store.write(make_sample(i))
     with open_store(backend, "r") as reader:
         assert len(reader) == 4
         _assert_same(reader["s2"], make_sample(2))
@@ -278,7 +278,7 @@ def test_corrupted_shard_is_found_by_verify_and_by_checked_reads(tmp_path: Path)
     path = tmp_path / "s.zarr"
     with open_test_store(str(path)) as store:
         for i in range(6):
-            store.write_sync(make_sample(i))
+            store.write(make_sample(i))
     shard = sorted((path / "part-default" / "hidden").glob("c.*"))[0]
     data = bytearray(shard.read_bytes())
     for pos in range(100, len(data) // 2, 97):
@@ -302,7 +302,7 @@ def test_stats_match_numpy_including_non_finite_values() -> None:
     samples[3].final_hidden_state[280, 5] = float("nan")
     with open_store(MemoryStore(), "a") as store:
         for s in samples:
-            store.write_sync(s)
+            store.write(s)
     stats = store.stats()
     for layer in range(4):
         values = np.concatenate(
@@ -328,7 +328,7 @@ def test_counters_report_raw_stored_bytes_and_tokens(tmp_path: Path) -> None:
     samples = [make_sample(i) for i in range(8)]
     with open_store(tmp_path / "s.zarr", "a") as store:
         for s in samples:
-            store.write_sync(s)
+            store.write(s)
     with open_store(tmp_path / "s.zarr", "r") as store:
         assert store.num_tokens == sum(s.num_tokens for s in samples)
         assert store.bytes_raw == sum(s.nbytes for s in samples)
@@ -360,7 +360,7 @@ async def test_async_write_runs_off_the_event_loop() -> None:
 
     async with store, anyio.create_task_group() as tg:
         tg.start_soon(tick)
-        assert await store.write(make_sample(1)) is True
+        assert await store.awrite(make_sample(1)) is True
     assert backend.waited == [True]
     with open_store(backend, "r") as reader:
         assert "s1" in reader
@@ -373,7 +373,7 @@ def test_commits_are_batched_while_writing_and_flush_commits_everything(
     path, n = tmp_path / "s.zarr", 40  # ~6,000 tokens: ~47 shards of 128 tokens
     store = open_test_store(str(path))
     for i in range(n):
-        store.write_sync(make_sample(i))
+        store.write(make_sample(i))
     reader = open_store(path, "r")
     # At most the writer's first commit (its first shard or two): the next is an hour away,
     # although ~45 full shards are written by now.
@@ -381,7 +381,7 @@ def test_commits_are_batched_while_writing_and_flush_commits_everything(
     # The live compression ratio compares the same samples although most await their commit.
     assert store.bytes_raw < store.bytes_raw_written
     assert 1.0 < store.bytes_raw_written / store.bytes_stored < 1.6
-    store.flush_sync()
+    store.flush()
     reader.refresh()
     assert len(reader) == n
     total = sum(make_sample(i).nbytes for i in range(n))
@@ -392,10 +392,10 @@ def test_commits_are_batched_while_writing_and_flush_commits_everything(
 def test_refresh_shows_samples_another_writer_committed(tmp_path: Path) -> None:
     path = tmp_path / "s.zarr"
     with open_store(path, "a", writer_id="a") as store:
-        store.write_sync(make_sample(1))
+        store.write(make_sample(1))
     reader = open_store(path, "r")
     with open_store(path, "a", writer_id="b") as store:
-        store.write_sync(make_sample(2))
+        store.write(make_sample(2))
     assert "s2" not in reader
     reader.refresh()
     assert sorted(reader) == ["s1", "s2"] and reader.lengths()["s2"] == make_sample(2).num_tokens
@@ -413,11 +413,11 @@ def test_full_disk_is_reported_as_a_store_error_saying_what_to_do(
     store = open_store(tmp_path / "s.zarr", "a")
     monkeypatch.setattr(os, "writev", no_space)  # how the store writes shards and chunks
     with pytest.raises(StoreIOError, match="free space and rerun") as info:
-        store.write_sync(make_sample(1))
-        store.flush_sync()
+        store.write(make_sample(1))
+        store.flush()
     assert isinstance(info.value.__cause__, OSError)
     with pytest.raises(StoreWriteFailedError, match="open it again to resume"):
-        store.write_sync(make_sample(2))
+        store.write(make_sample(2))
     store.close()
     assert len(open_store(tmp_path / "s.zarr", "r")) == 0
 
@@ -440,8 +440,8 @@ def test_a_shard_write_that_fails_midway_leaves_no_file_and_no_temp_file(
     monkeypatch.setattr(os, "writev", writev_then_full)
     store = open_store(tmp_path / "s.zarr", "a")
     with pytest.raises(StoreIOError, match="free space and rerun"):
-        store.write_sync(make_sample(1))
-        store.flush_sync()
+        store.write(make_sample(1))
+        store.flush()
     store.close()
     part = tmp_path / "s.zarr" / "part-default"
     assert calls["n"] == 2
@@ -451,7 +451,7 @@ def test_a_shard_write_that_fails_midway_leaves_no_file_and_no_temp_file(
     assert not temps, "a failed write removes its temporary file"
     monkeypatch.setattr(os, "writev", real_writev)
     with open_store(tmp_path / "s.zarr", "a") as store:
-        store.write_sync(make_sample(1))
+        store.write(make_sample(1))
     with open_store(tmp_path / "s.zarr", "r") as store:
         assert torch.equal(store["s1"].final_hidden_state, make_sample(1).final_hidden_state)
 
@@ -476,10 +476,10 @@ def test_samples_straddling_shards_round_trip_with_several_shards_written_at_onc
     path = str(tmp_path / "s.zarr")
     with open_test_store(path) as store:  # 128-token shards: most samples straddle two or more
         for i in range(30):
-            store.write_sync(make_sample(i))
+            store.write(make_sample(i))
     with open_test_store(path) as store:  # resumes inside a partial shard
         for i in range(30, 45):
-            store.write_sync(make_sample(i))
+            store.write(make_sample(i))
     with open_store(path, "r") as store:
         assert len(store) == 45
         for i in range(45):
@@ -500,13 +500,13 @@ def test_a_store_another_writer_creates_while_this_one_opens_is_joined(
         if kwargs.get("attributes"):  # this writer's create: the first writer got there first
             monkeypatch.setattr(zarr, "open_group", real_open)
             with open_store(path, "a", writer_id="first") as first:
-                first.write_sync(make_sample(1))
+                first.write(make_sample(1))
             raise zarr.errors.ContainsGroupError(str(path), "")  # (store, path), as zarr raises it
         return real_open(*args, **kwargs)
 
     monkeypatch.setattr(zarr, "open_group", lose_the_race)
     with open_store(path, "a", writer_id="second") as second:
-        second.write_sync(make_sample(2))
+        second.write(make_sample(2))
     with open_store(path, "r") as store:
         assert sorted(store) == ["s1", "s2"]
 
@@ -515,7 +515,7 @@ def _written(tmp_path: Path, n: int = 4) -> Path:
     path = tmp_path / "s.zarr"
     with open_test_store(str(path)) as store:
         for i in range(n):
-            store.write_sync(make_sample(i))
+            store.write(make_sample(i))
     return path
 
 
@@ -592,7 +592,7 @@ def test_a_store_from_before_metadata_checksums_is_read_and_covered_once_appende
         other = Sample("s1", [1, 2, 3])
         assert store.token_mismatch(other) is None  # no digest recorded: nothing to compare
     with open_test_store(str(path)) as store:
-        store.write_sync(make_sample(4))
+        store.write(make_sample(4))
     with open_store(path, "r") as store:
         assert store.verify().clean
         _assert_same(store["s0"], make_sample(0))
@@ -634,13 +634,13 @@ def test_the_index_grows_past_its_first_chunk_and_reads_back_after_reopening(
     path = tmp_path / "s.zarr"
     with open_store(path, "a", shard_tokens=1024, chunk_tokens=1) as store:
         for i in range(n):
-            store.write_sync(_tiny(i))
+            store.write(_tiny(i))
     with open_store(path, "r") as store:
         assert len(store) == n
         for i in range(n):
             _assert_same(store[f"t{i}"], _tiny(i))
     with open_store(path, "a", shard_tokens=1024, chunk_tokens=1) as store:  # resumes past it
-        store.write_sync(_tiny(n))
+        store.write(_tiny(n))
     with open_store(path, "r") as store:
         assert len(store) == n + 1
         for i in (0, 4095, 4096, n):

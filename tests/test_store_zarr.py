@@ -29,7 +29,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _write(path: Path, n: int, writer_id: str | None = None) -> None:
     with open_test_store(str(path), writer_id=writer_id) as store:
         for i in range(n):
-            store.write_sync(make_sample(i))
+            store.write(make_sample(i))
 
 
 def _walk(path: Path) -> list[str]:
@@ -43,8 +43,8 @@ def test_zarr_walks_a_store_being_written_without_warnings(tmp_path: Path) -> No
     path = tmp_path / "s.zarr"
     _write(path, 3)
     with open_test_store(str(path)) as store:  # the writer's lock is held during the walk
-        store.write_sync(make_sample(3))
-        store.flush_sync()
+        store.write(make_sample(3))
+        store.flush()
         names = _walk(path)
     assert {"part-default", "part-default/hidden", "part-default/index/rows"} <= set(names)
 
@@ -121,7 +121,7 @@ def test_zarr_alone_reads_sample_k_as_the_store_does(tmp_path: Path) -> None:
     _write(path, 4)
     with open_test_store(str(path)) as store:  # a second session: the counters move on commit
         for i in range(4, 7):
-            store.write_sync(make_sample(i))
+            store.write(make_sample(i))
     with open_store(str(path), "r") as store:
         _check_read_with_zarr(path, store)
 

@@ -109,7 +109,7 @@ def test_a_layer_whose_second_prefill_chunk_is_zero_fails_alone(store, model_dir
                 hs.aux_hidden_states = hs.aux_hidden_states.clone()
                 hs.aux_hidden_states[64:, 1] = 0
                 broken, damaged = f"hidden_states[{hs.layer_ids[1]}]", sid
-            bad.write_sync(_with_meta(hs, hs.attrs["provenance"]))
+            bad.write(_with_meta(hs, hs.attrs["provenance"]))
     result = _verify(tmp_path / "bad.zarr", model_dir)
     assert result.exit_code == 1, result.output
     assert [name for name, v in _verdicts(result.output).items() if v == "FAIL"] == [broken]

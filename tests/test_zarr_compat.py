@@ -130,7 +130,7 @@ def _write(path: Path, case: Case, samples: list[HiddenStates]) -> None:
         path, "a", shard_tokens=case.shard_tokens, chunk_tokens=case.chunk_tokens, **options
     ) as store:
         for sample in samples:
-            store.write_sync(sample)
+            store.write(sample)
 
 
 def _assert_zarr_reads(path: Path, samples: list[HiddenStates]) -> None:

@@ -71,11 +71,11 @@ class SampleSink(Protocol):
         """Whether the sample is committed."""
         ...
 
-    async def write(self, states: HiddenStates) -> Any:
+    async def awrite(self, states: HiddenStates) -> Any:
         """Write one sample; it is all or nothing, also when the caller is cancelled."""
         ...
 
-    async def flush(self) -> None:
+    async def aflush(self) -> None:
         """Commit buffered samples."""
         ...
 
@@ -431,7 +431,7 @@ class _Run:
         started = time.perf_counter()
         async with self._write_lock:
             try:
-                await self.store.write(states)
+                await self.store.awrite(states)
             except SampleExistsError:
                 self.summary.skipped += 1  # another writer committed it meanwhile
                 return True
@@ -461,7 +461,7 @@ class _Run:
         with anyio.CancelScope(shield=True):
             async with self._write_lock:
                 try:
-                    await self.store.flush()
+                    await self.store.aflush()
                 except StoreError:
                     if self.fatal is None:
                         raise  # else a failed store refuses to flush: report what failed first

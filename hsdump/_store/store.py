@@ -332,7 +332,7 @@ class HiddenStateStore:
 
     # -- writing ---------------------------------------------------------------------------------
 
-    async def write(self, hs: HiddenStates, *, if_exists: IfExists = "error") -> bool:
+    async def awrite(self, hs: HiddenStates, *, if_exists: IfExists = "error") -> bool:
         """Write one sample from asyncio; the work runs in a thread, so the event loop keeps going.
 
         Returns:
@@ -341,11 +341,13 @@ class HiddenStateStore:
         import anyio
 
         return await anyio.to_thread.run_sync(
-            functools.partial(self.write_sync, hs, if_exists=if_exists)
+            functools.partial(self.write, hs, if_exists=if_exists)
         )
 
-    def write_sync(self, hs: HiddenStates, *, if_exists: IfExists = "error") -> bool:
-        """Write one sample (blocking). It is committed when its shard is written, or on flush.
+    def write(self, hs: HiddenStates, *, if_exists: IfExists = "error") -> bool:
+        """Write one sample (blocking; :meth:`awrite` from asyncio).
+
+        It is committed when its shard is written, or on flush.
 
         Raises:
             SampleExistsError: The ID is committed or buffered and ``if_exists="error"``.
@@ -446,14 +448,14 @@ class HiddenStateStore:
             )
         return self._writer
 
-    async def flush(self) -> None:
-        """Commit every buffered sample (writes the partial shard)."""
+    async def aflush(self) -> None:
+        """Async :meth:`flush`."""
         import anyio
 
-        await anyio.to_thread.run_sync(self.flush_sync)
+        await anyio.to_thread.run_sync(self.flush)
 
-    def flush_sync(self) -> None:
-        """Blocking :meth:`flush`."""
+    def flush(self) -> None:
+        """Commit every buffered sample (writes the partial shard)."""
         with self._lock:
             if self._writer is not None and not self._closed:
                 writer = self._require_writer()

@@ -122,7 +122,6 @@ def record_server(args: argparse.Namespace, tag: str) -> subprocess.Popen[bytes]
 
 def _store_part(source: str, dest: str, index: int, workers: int, barrier, results) -> None:
     """One writer of the store-alone row: load its share (untimed), then write it (timed)."""
-    import anyio
 
     from hsdump import open_store
 
@@ -132,7 +131,7 @@ def _store_part(source: str, dest: str, index: int, workers: int, barrier, resul
     t0 = time.monotonic()
     with open_store(dest, "a", writer_id=f"w{index}") as store:
         for hs in states:
-            anyio.run(store.write, hs)
+            store.write(hs)
     results.put((t0, time.monotonic(), sum(hs.num_tokens for hs in states)))
 
 

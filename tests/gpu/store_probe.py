@@ -83,7 +83,6 @@ def store_run(writers: int, cores: int, n: int) -> None:
     """In a fresh process: write n samples into a fresh store on /dev/shm."""
     os.environ["HSDUMP_CORES"] = str(cores)
     os.environ["HSDUMP_SHARD_WRITERS"] = str(writers)
-    import anyio
 
     from hsdump import HiddenStates, open_store
 
@@ -104,7 +103,7 @@ def store_run(writers: int, cores: int, n: int) -> None:
     wall, cpu = time.perf_counter(), time.process_time()
     with open_store(dest, "w") as store:
         for hs in states:
-            anyio.run(store.write, hs)
+            store.write(hs)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     shutil.rmtree(dest, ignore_errors=True)
     gb = n * T * (K + 1) * H * 2 / 1e9
