@@ -15,6 +15,8 @@
 #   kimi         a random Llama with Kimi-K2.5's hidden size (H=7168, 57,344 B a token), SGLang's
 #                defaults (radix cache, CUDA graphs, 8192-token chunks): tests/gpu/kimi.py measures
 #                server alone, dump-only, store alone and hsdump extract at 1/8/32 in flight
+#   two_servers  two such servers on one GPU (--mem-fraction-static 0.3 each): hsdump extract into
+#                each alone, then into both with --servers (tests/gpu/two_servers.py)
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 REPO=$(pwd)
@@ -139,6 +141,17 @@ for stage in $STAGES; do
            python3 tests/gpu/kimi.py --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" ${KIMI_ARGS:-} || status=1
            grep -hE "Traceback|hsdump.*(fail|error)" "$OUT/server_kimi.log" | head -10
            stop_server; unset HSDUMP_DUMP_DIR ;;
+    two_servers) make_kimi  # two Kimi-sized servers on one GPU behind one hsdump command
+           pids=""; up=1
+           for i in 0 1; do
+             export HSDUMP_DUMP_DIR=/dev/shm/hsdump-two$i; PORT=$((30000 + i)); URL=http://127.0.0.1:$PORT
+             start_server two$i sglang.launch_server --model-path /tmp/kimi --enable-return-hidden-states \
+               --mem-fraction-static 0.3 || { up=0; status=1; break; }
+             pids="$pids $SP"
+           done
+           [ $up = 1 ] && { python3 tests/gpu/two_servers.py --out "$OUT" || status=1; }
+           kill $pids 2> /dev/null; wait $pids 2> /dev/null
+           PORT=30000; URL=http://127.0.0.1:$PORT; unset HSDUMP_DUMP_DIR ;;
     bench_plain) make_1b
            start_server bench_plain sglang.launch_server "${BENCH_ARGS[@]}" || { status=1; continue; }
            python3 tests/gpu/bench.py --server alone --mode plain --url $URL --out "$OUT" || status=1
