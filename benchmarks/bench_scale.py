@@ -20,37 +20,20 @@ import argparse
 import contextlib
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from hsdump import ExtractionSummary, Sample, run_parallel_extraction
-from hsdump.testing import FakeServer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_pipeline import LAYERS, Server, fake_server_process, process_cpu_s, samples
 
 CMD = "python benchmarks/bench_scale.py"
-LAYERS = (2, 16, 29)
 TARGET = 0.8
 CORES_PER_SERVER = 4
-
-
-@dataclass(frozen=True)
-class Server:
-    url: str
-    dump_dir: Path
-    pid: int
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process, all threads (Linux /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager
@@ -58,40 +41,11 @@ def fake_servers(
     root: Path, count: int, hidden: int, latency: float, tokens: int
 ) -> Iterator[list[Server]]:
     """``count`` FakeServers, each in a child process with its own dump root."""
-    children = []
-    try:
-        for i in range(count):
-            dump_dir = root / f"dumps{i}"
-            args = [sys.executable, __file__, "--serve", str(dump_dir), str(hidden)]
-            child = subprocess.Popen(
-                [*args, str(latency), str(tokens)], stdout=subprocess.PIPE, text=True
-            )
-            children.append((child, dump_dir))
+    with contextlib.ExitStack() as stack:
         yield [
-            Server(url=child.stdout.readline().strip(), dump_dir=dump_dir, pid=child.pid)
-            for child, dump_dir in children
-            if child.stdout is not None
+            stack.enter_context(fake_server_process(root / f"dumps{i}", hidden, latency, tokens))
+            for i in range(count)
         ]
-    finally:
-        for child, _ in children:
-            child.terminate()
-            child.wait(10)
-
-
-def serve(dump_dir: str, hidden: str, latency: str, tokens: str) -> None:
-    with FakeServer(
-        dump_dir, layer_ids=LAYERS, hidden_size=int(hidden), latency=float(latency),
-        pool_tokens=int(tokens),
-    ) as server:  # fmt: skip
-        print(server.url, flush=True)
-        threading.Event().wait()
-
-
-def samples(n: int, tokens: int) -> list[Sample]:
-    rng = np.random.default_rng(1)
-    return [
-        Sample(id=f"s{i:05d}", input_ids=rng.integers(0, 32000, tokens).tolist()) for i in range(n)
-    ]
 
 
 def run_row(servers: list[Server], batch: list[Sample], store: Path, concurrency: int) -> tuple[
@@ -160,8 +114,6 @@ def _shm() -> str | None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--serve"]:
-        serve(*sys.argv[2:6])
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

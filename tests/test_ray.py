@@ -21,6 +21,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from _stores import stored_bits
 
 from hsdump import (
     ConfigError,
@@ -85,19 +86,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[bytes
     root = tmp_path_factory.mktemp("reference")
     with FakeServer(root / "dumps", hidden_size=16) as server:
         anyio.run(_seed, server, root / "one.zarr", SAMPLES)
-    return _contents(root / "one.zarr")
-
-
-def _contents(store: Path) -> dict[str, tuple[bytes, bytes, list]]:
-    """Every sample's stored bits; the store holds each once."""
-    with open_store(store, "r") as opened:
-        assert not opened.duplicates
-        return {
-            sid: (hs.aux_hidden_states.view(torch.int16).numpy().tobytes(),
-                  hs.final_hidden_state.view(torch.int16).numpy().tobytes(), hs.input_ids.tolist())
-            for sid in opened
-            for hs in [opened[sid]]
-        }  # fmt: skip
+    return stored_bits(root / "one.zarr")
 
 
 def _listing(servers: list[FakeServer], nodes: list[str | None]) -> list[tuple]:
@@ -137,7 +126,7 @@ def test_three_nodes_store_what_one_server_stores(cluster, servers, reference, t
         summary = _run(servers, tmp_path / "s.zarr", SAMPLES)
     assert summary.ok and summary.samples_done == len(SAMPLES) and summary.workers == 3
     assert summary.tokens_done == sum(len(s.input_ids) for s in SAMPLES)
-    assert _contents(tmp_path / "s.zarr") == reference
+    assert stored_bits(tmp_path / "s.zarr") == reference
     assert all(_served(s) > 5 for s in servers)  # each server took a share of the batches
     placed = {r.args[0]: r.args[1] for r in caplog.records if "runs on node" in r.getMessage()}
     ids = _node_ids(cluster)
@@ -148,7 +137,7 @@ def test_three_nodes_store_what_one_server_stores(cluster, servers, reference, t
     served = [_served(s) for s in servers]
     rerun = _run(servers, tmp_path / "s.zarr", SAMPLES)
     assert rerun.ok and rerun.samples_done == 0 and rerun.skipped == len(SAMPLES)
-    assert _contents(tmp_path / "s.zarr") == reference
+    assert stored_bits(tmp_path / "s.zarr") == reference
     assert [_served(s) for s in servers] == served  # no actor was even started
 
 
@@ -192,7 +181,7 @@ def test_a_resumed_run_with_a_killed_actor_commits_each_sample_once(
     ((victim, thread),) = killed
     thread.join()
     assert summary.ok and (summary.samples_done, summary.skipped) == (len(SAMPLES) - 25, 25)
-    assert _contents(store) == reference
+    assert stored_bits(store) == reference
     assert verify_store(store).clean
     with open_store(store, "r") as opened:
         parts = {opened.locate(sid)[0] for sid in opened}
@@ -208,7 +197,7 @@ def test_a_removed_node_loses_nothing(cluster, servers, reference, tmp_path) -> 
     summary = _run(servers, tmp_path / "s.zarr", SAMPLES, nodes=["n0", "n1", "spare"])
     removed[0][1].join()
     assert summary.ok and summary.samples_done == len(SAMPLES)
-    assert _contents(tmp_path / "s.zarr") == reference
+    assert stored_bits(tmp_path / "s.zarr") == reference
     assert verify_store(tmp_path / "s.zarr").clean
 
 
@@ -247,7 +236,7 @@ def test_extract_ray_runs_a_servers_file_with_nodes(cluster, servers, tmp_path) 
     args += [str(tmp_path / "servers.json"), "--ray", "--ray-address", cluster.address]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert sorted(_contents(tmp_path / "s.zarr")) == sorted(r["id"] for r in rows)
+    assert sorted(stored_bits(tmp_path / "s.zarr")) == sorted(r["id"] for r in rows)
     assert "3 worker process(es)" in result.output
 
 
@@ -297,7 +286,7 @@ def test_an_interrupted_run_keeps_what_it_committed_and_leaves_no_actor(
         server.engine.latency = 0.01
     with pytest.raises(KeyboardInterrupt):
         _run(servers, tmp_path / "s.zarr", SAMPLES, progress=interrupt)
-    stored = _contents(tmp_path / "s.zarr")
+    stored = stored_bits(tmp_path / "s.zarr")
     assert 30 <= len(stored) < len(SAMPLES) and verify_store(tmp_path / "s.zarr").clean
     assert ray.util.list_named_actors() == []
     assert [_dumps_left(s) for s in servers] == [[], [], []]  # each actor closed its client

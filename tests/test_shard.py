@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _stores import stored_bits
 from typer.testing import CliRunner
 
-from hsdump import open_store
 from hsdump._cli import app
 from hsdump._run.inputs import Shard
 from hsdump.testing import FakeServer
@@ -28,17 +28,6 @@ def _dataset(path: Path, n: int) -> Path:
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
-
-
-def _contents(store: Path) -> dict[str, tuple[bytes, bytes, list[int]]]:
-    with open_store(store, "r") as opened:
-        assert not opened.duplicates
-        return {
-            sid: (hs.aux_hidden_states.view(torch.int16).numpy().tobytes(),
-                  hs.final_hidden_state.view(torch.int16).numpy().tobytes(), hs.input_ids.tolist())
-            for sid in opened
-            for hs in [opened[sid]]
-        }  # fmt: skip
 
 
 def test_every_id_falls_in_exactly_one_shard_whatever_the_count() -> None:
@@ -89,7 +78,7 @@ def test_three_shards_on_three_servers_store_what_one_run_stores(tmp_path: Path)
         )  # fmt: skip
         assert result.exit_code == 0, result.output
         requests = [len(s.received) for s in servers]
-    sharded, single = _contents(tmp_path / "sharded.zarr"), _contents(tmp_path / "one.zarr")
+    sharded, single = stored_bits(tmp_path / "sharded.zarr"), stored_bits(tmp_path / "one.zarr")
     assert sorted(sharded) == sorted(single) == sorted(f"s{i}" for i in range(30))
     assert sharded == single
     assert all(count > 1 for count in requests)  # each server took part (its probe and samples)
