@@ -467,7 +467,7 @@ def test_samples_straddling_shards_round_trip_with_several_shards_written_at_onc
 
     real_place = hsdump._store.part.place_sample
 
-    def slow_place(*args: Any) -> int:
+    def slow_place(*args: Any) -> Any:
         time.sleep(0.01)  # the shard writer would otherwise find the rows unwritten
         return real_place(*args)
 

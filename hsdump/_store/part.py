@@ -53,9 +53,9 @@ from hsdump._store.integrity import (
     stored_token_digest,
 )
 from hsdump._store.provenance import Provenance
-from hsdump._store.shardbuf import Piece, ShardBuffer, place_sample
+from hsdump._store.shardbuf import Piece, Placed, ShardBuffer, place_sample
 from hsdump._store.shardio import FlatChunks, ShardIO, codec_pool
-from hsdump._store.stats import LayerStats, merge_layer_lists
+from hsdump._store.stats import LayerStats, RowStats, merge_layer_lists
 
 if TYPE_CHECKING:
     import zarr
@@ -204,9 +204,8 @@ class _Pending:
     offset: int
     length: int
     has_mask: int
-    crc: Future[int]
+    placed: Future[Placed]
     raw_bytes: int
-    stats: Future[list[LayerStats]]
     tokens: int
 
 
@@ -290,25 +289,25 @@ class PartWriter:
         final: np.ndarray,
         ids: np.ndarray,
         mask: np.ndarray | None,
-        stats: Future[list[LayerStats]],
+        stats: RowStats,
     ) -> None:
         """Reserve rows for one sample and place them on the codec pool; commit what is on disk.
 
-        The rows are copied and checksummed by a job while this thread takes the next sample; a
-        shard is written once its jobs are done.
+        The rows are copied, checksummed and accounted in ``stats`` by a job while this thread
+        takes the next sample; a shard is written once its jobs are done.
         """
         offset, length = self._next, aux.shape[0]
         pieces, full = self._reserve(length, ids, mask)
-        crc = codec_pool().submit(place_sample, pieces, aux, final, ids, mask)
+        placed = codec_pool().submit(place_sample, pieces, aux, final, ids, mask, stats)
         for piece in pieces:  # one piece per shard: a sample's pieces are consecutive shards
-            piece.shard.placing.append(crc)
+            piece.shard.placing.append(placed)
         for shard in full:
             self._flush_shard(shard, full=True)
         self._pad_after(offset + length)
         raw = aux.nbytes + final.nbytes
         tokens = stored_token_digest(ids, mask)
         self._pending.append(
-            _Pending(sample_id, offset, length, int(mask is not None), crc, raw, stats, tokens)
+            _Pending(sample_id, offset, length, int(mask is not None), placed, raw, tokens)
         )
         self.pending_ids.add(sample_id)
         self._commit_ready()
@@ -448,7 +447,9 @@ class PartWriter:
         self._last_commit = time.monotonic()
         n0, state = self.state.n_committed, self.state
         n1 = n0 + len(ready)
-        rows = np.array([[p.offset, p.length, p.has_mask, p.crc.result()] for p in ready], np.int64)
+        rows = np.array(
+            [[p.offset, p.length, p.has_mask, p.placed.result().crc] for p in ready], np.int64
+        )
         sids = [p.sample_id for p in ready]
         tokens = np.array([p.tokens for p in ready], np.uint64)
         self._ensure_index_capacity(n1)
@@ -461,7 +462,7 @@ class PartWriter:
             covered = extend_index_checksum(None, index.rows, index.sample_ids, index.tokens)
         stats = state.stats
         for p in ready:
-            stats = merge_layer_lists(stats, p.stats.result())
+            stats = merge_layer_lists(stats, p.placed.result().stats)
         new_state = state.model_copy(
             update={
                 "n_committed": n1,

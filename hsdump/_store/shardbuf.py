@@ -1,10 +1,11 @@
 """In-RAM shard buffers and the placement of a sample's rows into them.
 
 A writer reserves a sample's rows in one or more shard buffers (a sample may straddle a shard
-boundary), then one job on the codec pool copies the rows in and computes the sample's checksum.
-Placement was the serial part of a write (one writer thread copying and checksumming every
-byte); as a job, samples are placed in parallel while the writer takes the next one. A shard is
-encoded only once every job placing rows in it is done (:meth:`ShardBuffer.wait_placed`).
+boundary), then one job on the codec pool copies the rows in and computes the sample's checksum
+and statistics. Placement was the serial part of a write (one writer thread copying and
+checksumming every byte); as a job, samples are placed in parallel while the writer takes the
+next one. A shard is encoded only once every job placing rows in it is done
+(:meth:`ShardBuffer.wait_placed`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Piece", "ShardBuffer", "place_sample"]
+from hsdump._store.stats import BLOCK_ROWS, LayerStats, RowStats
+
+__all__ = ["Piece", "Placed", "ShardBuffer", "place_sample"]
 
 
 @dataclass
@@ -27,7 +30,7 @@ class ShardBuffer:
     ids: np.ndarray
     mask: np.ndarray
     start: int = 0
-    placing: list[Future[int]] = field(default_factory=list)
+    placing: list[Future[Any]] = field(default_factory=list)
 
     @classmethod
     def allocate(cls, tokens: int, layers: int, hidden: int, dtype: np.dtype[Any]) -> ShardBuffer:
@@ -55,22 +58,40 @@ class Piece:
     take: int
 
 
+@dataclass(frozen=True)
+class Placed:
+    """What placing a sample computed on the way: its checksum and its statistics."""
+
+    crc: int
+    stats: list[LayerStats]
+
+
 def place_sample(
     pieces: list[Piece],
     aux: np.ndarray,
     final: np.ndarray,
     ids: np.ndarray,
     mask: np.ndarray | None,
-) -> int:
-    """Copy a sample's aux and final rows into its pieces; returns the CRC-32 of its stored bytes.
+    stats: RowStats,
+) -> Placed:
+    """Copy a sample's aux and final rows into its pieces, with its checksum and statistics.
 
-    The checksum covers the stored rows in order, then the token ids, then the mask if any.
+    One pass in blocks of :data:`~hsdump._store.stats.BLOCK_ROWS` rows: each block is copied,
+    then checksummed and accounted in ``stats`` while it is in cache (three passes over memory
+    were the store's largest cost after the codec). The checksum is the CRC-32 of the stored
+    rows in order, then the token ids, then the mask if any.
     """
     k, crc = aux.shape[1], 0
     for p in pieces:
-        rows = p.shard.rows[p.row : p.row + p.take]
-        rows[:, :k] = aux[p.pos : p.pos + p.take]
-        rows[:, k] = final[p.pos : p.pos + p.take]
-        crc = zlib.crc32(rows.data, crc)
+        for lo in range(0, p.take, BLOCK_ROWS):
+            n = min(BLOCK_ROWS, p.take - lo)
+            rows = p.shard.rows[p.row + lo : p.row + lo + n]
+            src = slice(p.pos + lo, p.pos + lo + n)
+            rows[:, :k] = aux[src]
+            rows[:, k] = final[src]
+            crc = zlib.crc32(rows.data, crc)
+            stats.add(rows)
     crc = zlib.crc32(ids.data, crc)
-    return crc if mask is None else zlib.crc32(mask.data, crc)
+    if mask is not None:
+        crc = zlib.crc32(mask.data, crc)
+    return Placed(crc, stats.result())

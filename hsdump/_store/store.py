@@ -70,8 +70,8 @@ from hsdump._store.part import (
 )
 from hsdump._store.provenance import Provenance, check_compatible, provenance_of
 from hsdump._store.reader import PartReader, VerifyReport, verify_parts
-from hsdump._store.shardio import PARTIAL_SUFFIX, codec_pool
-from hsdump._store.stats import LayerStats, merge_layer_lists, sample_stats
+from hsdump._store.shardio import PARTIAL_SUFFIX
+from hsdump._store.stats import LayerStats, RowStats, merge_layer_lists
 
 if TYPE_CHECKING:
     import zarr
@@ -415,10 +415,8 @@ class HiddenStateStore:
         elif writer.provenance is None:
             writer.set_layout(writer.state.layout, prov)
         aux, final = tensor_to_bits(hs.aux_hidden_states), tensor_to_bits(hs.final_hidden_state)
-        # Statistics run on the codec pool while this thread places and checksums the rows: they
-        # are only needed when the sample commits, and the two passes together were the serial
-        # half of a write (the store did not get faster with more cores).
-        stats = codec_pool().submit(sample_stats, aux, final, dtype, list(hs.layer_ids))
+        # The statistics are taken from the stored rows as they are placed, on the codec pool.
+        stats = RowStats(dtype, [*hs.layer_ids, "final"])
         writer.add(hs.sample_id, aux, final, ids, mask, stats)
 
     def _check_provenance(self, writer: PartWriter, prov: Provenance, sample_id: str) -> None:
