@@ -121,8 +121,11 @@ def record_server(args: argparse.Namespace, tag: str) -> subprocess.Popen[bytes]
 
 
 def _store_part(source: str, dest: str, index: int, workers: int, barrier, results) -> None:
-    """One writer of the store-alone row: load its share (untimed), then write it (timed)."""
+    """One writer of the store-alone row: load its share (untimed), then write it (timed).
 
+    Each process sizes its pools by its share of the cores, as a worker of `hsdump extract` does.
+    """
+    os.environ["HSDUMP_CORES"] = str(max(1, (os.cpu_count() or 1) // workers))
     from hsdump import open_store
 
     with open_store(source, "r") as src:
@@ -211,7 +214,8 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=0, help="0: hsdump's default")
     p.add_argument("--concs", default="1,8,32")
     p.add_argument("--spy", default="", help="py-spy binary: record the server during dump-only")
-    p.add_argument("--sweep-workers", default="", help="e.g. 2,4,8: only extract rows on /dev/shm")
+    p.add_argument("--sweep-workers", default="", help="e.g. 2,4,8: more extract rows on /dev/shm")
+    p.add_argument("--sweep-concs", default="8", help="in flight for the --sweep-workers rows")
     p.add_argument("--store-workers", default="", help="e.g. 1,2,4,8: store-alone rows on /dev/shm")
     args = p.parse_args()
     concs = [int(c) for c in args.concs.split(",")]
@@ -243,9 +247,6 @@ def main() -> None:
             args.out, row="dump-only", conc=conc, tok_per_s=round(tokens / seconds),
             ratio=round(tokens / seconds / results[f"server-{conc}"], 3),
         )  # fmt: skip
-    if args.sweep_workers:
-        sweep(args, rows, shm, concs, results)
-        return
     source = None
     for where, label in ((args.disk, "disk"), (shm, "shm")):
         for conc in concs:
@@ -293,6 +294,8 @@ def main() -> None:
                 value=round(results[f"extract-{label}-{conc}"] / bound, 3),
                 target=0.8 if conc == 1 else 0.9,
             )  # fmt: skip
+    if args.sweep_workers:
+        sweep(args, rows, shm, [int(c) for c in args.sweep_concs.split(",")], results)
 
 
 if __name__ == "__main__":
