@@ -498,11 +498,15 @@ class DumpWriter:
             raise ValueError(
                 f"rows written {sorted(self._covered)} do not cover [0, {self.num_tokens})"
             )
-        self._close_fds(sync=True)
+        for fd in self._fds:
+            os.fsync(fd)  # also writes back pages dirtied through the maps
         _write_json_atomic(self.tmp / META_FILE, meta.model_dump_json())
         (self.tmp / DONE_MARKER).touch()
         final = request_dir(self.root, self.rid)
         os.rename(self.tmp, final)
+        # Unmapping 117 MB takes ~15 ms: after the rename, so a reader need not wait for it (it
+        # reads the same pages; a file it deletes stays allocated until it is unmapped here).
+        self._close_fds(sync=False)
         return final
 
     def abort(self) -> None:

@@ -111,6 +111,16 @@ class Dumper:
             )
             return None
 
+    def describe(self) -> str:
+        """How this rank stages, for the start-up log line."""
+        ring = self.stager.device_ring
+        via = (
+            f"through a {ring.capacity >> 20} MB ring on {ring.device} and a side stream"
+            if ring is not None
+            else "straight to the host on the forward's stream"
+        )
+        return f"this rank writes; {self.ring.capacity >> 20} MB pinned, staged {via}"
+
     def close(self) -> None:
         """Write what is queued and stop the writer thread."""
         self.writer.stop()

@@ -193,7 +193,7 @@ def after_scheduler_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any)
         parallel.tp_rank,
         list(STATE.layer_ids or ()),
         config.dump_dir,
-        "this rank writes" if writes else "attention-TP rank 0 of this group writes",
+        STATE.dumper.describe() if writes else "attention-TP rank 0 of this group writes",
     )
     return result
 

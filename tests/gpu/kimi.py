@@ -120,6 +120,17 @@ def record_server(args: argparse.Namespace, tag: str) -> subprocess.Popen[bytes]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def print_spy(args: argparse.Namespace, spy: subprocess.Popen[bytes] | None, tag: str) -> None:
+    """Wait for a record_server() recording and print its busiest stacks."""
+    if spy is None:
+        return
+    spy.wait()
+    raw = args.out / f"spy-{tag}.txt"
+    if raw.exists():
+        print(f"py-spy of the scheduler process, {tag}:", flush=True)
+        print("\n".join(spy_summary(raw, top=18)), flush=True)
+
+
 def _store_part(source: str, dest: str, index: int, workers: int, barrier, results) -> None:
     """One writer of the store-alone row: load its share (untimed), then write it (timed).
 
@@ -234,14 +245,15 @@ def main() -> None:
     disk = disk_write_rate(args.disk)
     log(args.out, row="ceiling", what="disk write GB/s", value=round(disk, 3))
     for conc in concs:
+        spy = record_server(args, f"server-{conc}") if args.spy else None
         seconds = asyncio.run(plain(args.url, rows, conc))
+        print_spy(args, spy, f"server-{conc}")
         results[f"server-{conc}"] = tokens / seconds
         log(args.out, row="server alone", conc=conc, tok_per_s=round(tokens / seconds))
     for conc in concs:
         spy = record_server(args, f"dump-{conc}") if args.spy else None
         seconds = asyncio.run(plain(args.url, rows, conc, args.dump_dir))
-        if spy is not None:
-            spy.wait()
+        print_spy(args, spy, f"dump-{conc}")
         results[f"dump-{conc}"] = tokens / seconds
         log(
             args.out, row="dump-only", conc=conc, tok_per_s=round(tokens / seconds),

@@ -140,6 +140,7 @@ for stage in $STAGES; do
            start_server kimi sglang.launch_server --model-path /tmp/kimi --enable-return-hidden-states || { status=1; continue; }
            python3 tests/gpu/kimi.py --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" ${KIMI_ARGS:-} || status=1
            grep -hE "Traceback|hsdump.*(fail|error)" "$OUT/server_kimi.log" | head -10
+           grep -h "hsdump" "$OUT/server_kimi.log" | tail -12
            stop_server; unset HSDUMP_DUMP_DIR ;;
     two_servers) make_kimi  # two Kimi-sized servers on one GPU behind one hsdump command
            pids=""; up=1
