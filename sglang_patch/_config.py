@@ -45,6 +45,9 @@ class PluginConfig:
             ~2.5 GB/s, less than one H200 prefills at H=7168.
         profile_s: Log the time the plugin spends per stage every this many seconds
             (``HSDUMP_PROFILE_S``; unset: never).
+        switch_interval_s: The scheduler process's GIL switch interval
+            (``HSDUMP_SWITCH_INTERVAL_US``, default 500; Python's own is 5000): how long a
+            thread holds the GIL while another waits for it.
     """
 
     dump_dir: Path
@@ -58,6 +61,7 @@ class PluginConfig:
     partial_ttl_s: float = 600.0
     write_threads: int = 2
     profile_s: float = 0.0
+    switch_interval_s: float = 0.0005
 
 
 def dump_enabled() -> bool:
@@ -82,6 +86,7 @@ def load_config() -> PluginConfig:
         partial_ttl_s=float(_number("HSDUMP_PARTIAL_TTL_S", 600)),
         write_threads=_number("HSDUMP_WRITE_THREADS", default_write_threads()),
         profile_s=float(_number("HSDUMP_PROFILE_S", 0, allow_zero=True)),
+        switch_interval_s=_number("HSDUMP_SWITCH_INTERVAL_US", 500) / 1e6,
     )
 
 

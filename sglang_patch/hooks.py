@@ -44,7 +44,6 @@ logger = logging.getLogger(__name__)
 
 PRODUCER_NAME = "sglang_patch"
 _PREFILL_MODES = frozenset({"EXTEND", "MIXED"})
-_SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass
@@ -251,7 +250,7 @@ def _start_dumper(scheduler: Any, config: PluginConfig, parallel: Any) -> None:
     # The scheduler thread spins on the GIL while idle; the writer thread gives the GIL up at every
     # syscall and waits up to one switch interval (5 ms by default) to get it back, ~20 times per
     # dump. A short interval keeps a dump's latency in milliseconds (measured in docs).
-    sys.setswitchinterval(min(sys.getswitchinterval(), _SWITCH_INTERVAL_S))
+    sys.setswitchinterval(config.switch_interval_s)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
     STATE.dumper = Dumper(config, fmt, pin=cuda, device=device)

@@ -227,6 +227,7 @@ def main() -> None:
     p.add_argument("--spy", default="", help="py-spy binary: record the server during dump-only")
     p.add_argument("--sweep-workers", default="", help="e.g. 2,4,8: more extract rows on /dev/shm")
     p.add_argument("--sweep-concs", default="8", help="in flight for the --sweep-workers rows")
+    p.add_argument("--only-dump", action="store_true", help="server-alone and dump-only rows only")
     p.add_argument("--store-workers", default="", help="e.g. 1,2,4,8: store-alone rows on /dev/shm")
     args = p.parse_args()
     concs = [int(c) for c in args.concs.split(",")]
@@ -242,8 +243,9 @@ def main() -> None:
     asyncio.run(plain(args.url, dataset(512, 16, 99), 4))  # warm-up (JIT)
     results: dict[str, float] = {}
     cores = os.cpu_count() or 1
-    disk = disk_write_rate(args.disk)
-    log(args.out, row="ceiling", what="disk write GB/s", value=round(disk, 3))
+    disk = 0.0 if args.only_dump else disk_write_rate(args.disk)
+    if disk:
+        log(args.out, row="ceiling", what="disk write GB/s", value=round(disk, 3))
     for conc in concs:
         spy = record_server(args, f"server-{conc}") if args.spy else None
         seconds = asyncio.run(plain(args.url, rows, conc))
@@ -259,6 +261,8 @@ def main() -> None:
             args.out, row="dump-only", conc=conc, tok_per_s=round(tokens / seconds),
             ratio=round(tokens / seconds / results[f"server-{conc}"], 3),
         )  # fmt: skip
+    if args.only_dump:
+        return
     source = None
     for where, label in ((args.disk, "disk"), (shm, "shm")):
         for conc in concs:

@@ -15,6 +15,8 @@
 #   kimi         a random Llama with Kimi-K2.5's hidden size (H=7168, 57,344 B a token), SGLang's
 #                defaults (radix cache, CUDA graphs, 8192-token chunks): tests/gpu/kimi.py measures
 #                server alone, dump-only, store alone and hsdump extract at 1/8/32 in flight
+#   kimi_ab      the kimi server once per plugin setting in $KIMI_AB (e.g. "HSDUMP_WRITE_THREADS=4;
+#                HSDUMP_SWITCH_INTERVAL_US=5000"): server-alone and dump-only rows only
 #   two_servers  two such servers on one GPU (--mem-fraction-static 0.3 each): hsdump extract into
 #                each alone, then into both with --servers (tests/gpu/two_servers.py)
 set -u -o pipefail
@@ -142,6 +144,20 @@ for stage in $STAGES; do
            grep -hE "Traceback|hsdump.*(fail|error)" "$OUT/server_kimi.log" | head -10
            grep -h "hsdump" "$OUT/server_kimi.log" | tail -12
            stop_server; unset HSDUMP_DUMP_DIR ;;
+    kimi_ab) make_kimi  # server alone and dump-only under each plugin setting in $KIMI_AB (;-separated)
+           export HSDUMP_DUMP_DIR=/dev/shm/hsdump-kimi
+           IFS=';' read -ra variants <<< "${KIMI_AB:-HSDUMP_PROFILE_S=0}"
+           for v in "${variants[@]}"; do
+             echo "--- $v"
+             export $v
+             if start_server kimi_ab sglang.launch_server --model-path /tmp/kimi --enable-return-hidden-states; then
+               python3 tests/gpu/kimi.py --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" --only-dump ${KIMI_ARGS:-} || status=1
+               stop_server
+             else
+               status=1
+             fi
+             for kv in $v; do unset "${kv%%=*}"; done
+           done ;;
     two_servers) make_kimi  # two Kimi-sized servers on one GPU behind one hsdump command
            pids=""; up=1
            for i in 0 1; do
