@@ -29,10 +29,6 @@ class PluginConfig:
         rid_prefix: Only requests whose rid starts with this are dumped (``HSDUMP_RID_PREFIX``).
         pinned_bytes: Size of the pinned host staging buffer (``HSDUMP_PINNED_MB``, default 4096:
             one prefill batch of 8 prompts of 2048 tokens at H=7168 stages 940 MB).
-        device_staging_bytes: Size of the GPU staging ring (``HSDUMP_DEVICE_STAGING_MB``,
-            default 1024; 0: copy straight to pinned memory on the forward's stream). The
-            forward's stream then only copies device to device, and the copies to the host run
-            on a side stream. One 8192-token prefill chunk at H=7168 stages 470 MB.
         max_pending_bytes: Bound on bytes published but not yet consumed plus bytes being written
             (``HSDUMP_MAX_PENDING_MB``); the writer waits above it.
         min_free_bytes: Free space the dump root's filesystem keeps (``HSDUMP_MIN_FREE_MB``).
@@ -54,7 +50,6 @@ class PluginConfig:
     layer_ids: tuple[int, ...] | None = None
     rid_prefix: str = DEFAULT_RID_PREFIX
     pinned_bytes: int = 4096 * _MIB
-    device_staging_bytes: int = 1024 * _MIB
     max_pending_bytes: int = 16384 * _MIB
     min_free_bytes: int = 1024 * _MIB
     space_timeout_s: float = 600.0
@@ -79,7 +74,6 @@ def load_config() -> PluginConfig:
         layer_ids=_layer_ids(os.environ.get("HSDUMP_LAYER_IDS", "")),
         rid_prefix=os.environ.get("HSDUMP_RID_PREFIX") or DEFAULT_RID_PREFIX,
         pinned_bytes=_number("HSDUMP_PINNED_MB", 4096) * _MIB,
-        device_staging_bytes=_number("HSDUMP_DEVICE_STAGING_MB", 1024, allow_zero=True) * _MIB,
         max_pending_bytes=_number("HSDUMP_MAX_PENDING_MB", 16384) * _MIB,
         min_free_bytes=_number("HSDUMP_MIN_FREE_MB", 1024) * _MIB,
         space_timeout_s=float(_number("HSDUMP_SPACE_TIMEOUT_S", 600)),

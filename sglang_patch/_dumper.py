@@ -11,7 +11,7 @@ import torch
 from hsdump._protocol import dtype_of_torch, dtype_spec
 from sglang_patch._config import PluginConfig
 from sglang_patch._plan import BatchPlan, ChunkPlanner
-from sglang_patch._staging import DeviceRing, PinnedRing, Stager
+from sglang_patch._staging import PinnedRing, Stager
 from sglang_patch._writer import DumpFormat, StageClock, WriterThread
 
 __all__ = ["Dumper", "torch_dtype_name"]
@@ -32,19 +32,9 @@ class Dumper:
         config: The plugin settings.
         fmt: The dump format (layers, hidden size, dtype, producer).
         pin: Pin the staging buffer (True on CUDA).
-        device: The forward's device, for a device staging ring of
-            ``config.device_staging_bytes``; None: no device ring. When the ring cannot be
-            allocated there, the dumper copies straight to pinned memory and logs why.
     """
 
-    def __init__(
-        self,
-        config: PluginConfig,
-        fmt: DumpFormat,
-        *,
-        pin: bool,
-        device: torch.device | None = None,
-    ):
+    def __init__(self, config: PluginConfig, fmt: DumpFormat, *, pin: bool):
         if config.pinned_bytes < 4 * fmt.row_bytes:
             raise ValueError(
                 f"HSDUMP_PINNED_MB={config.pinned_bytes >> 20} is too small for one token of "
@@ -59,7 +49,6 @@ class Dumper:
             num_layers=len(fmt.layer_ids),
             hidden_size=fmt.hidden_size,
             submit=self.writer.submit_rows,
-            device_ring=self._device_ring(device),
         )
         self._next_expiry = time.monotonic() + config.partial_ttl_s
         self.clock = StageClock("scheduler", config.profile_s)
@@ -90,36 +79,12 @@ class Dumper:
             self.stager.flush()
             self.clock.add("stage", started)
 
-    def _device_ring(self, device: torch.device | None) -> DeviceRing | None:
-        size = self.config.device_staging_bytes
-        if device is None or not size:
-            return None
-        if size < 4 * self.fmt.row_bytes:
-            raise ValueError(
-                f"HSDUMP_DEVICE_STAGING_MB={size >> 20} is too small for one token of "
-                f"{self.fmt.row_bytes} bytes: raise it, or set 0 to stage in host memory only"
-            )
-        try:
-            return DeviceRing(size, device, alive=self.writer.alive)
-        except torch.cuda.OutOfMemoryError:
-            logger.warning(
-                "hsdump: no room for a %d MB staging ring on %s; copying hidden states to the "
-                "host on the forward's stream instead (slower: lower --mem-fraction-static or "
-                "HSDUMP_DEVICE_STAGING_MB)",
-                size >> 20,
-                device,
-            )
-            return None
-
     def describe(self) -> str:
         """How this rank stages, for the start-up log line."""
-        ring = self.stager.device_ring
-        via = (
-            f"through a {ring.capacity >> 20} MB ring on {ring.device} and a side stream"
-            if ring is not None
-            else "straight to the host on the forward's stream"
+        return (
+            f"this rank writes, {self.ring.capacity >> 20} MB pinned, "
+            f"{self.config.write_threads} write threads"
         )
-        return f"this rank writes; {self.ring.capacity >> 20} MB pinned, staged {via}"
 
     def close(self) -> None:
         """Write what is queued and stop the writer thread."""

@@ -251,9 +251,7 @@ def _start_dumper(scheduler: Any, config: PluginConfig, parallel: Any) -> None:
     # syscall and waits up to one switch interval (5 ms by default) to get it back, ~20 times per
     # dump. A short interval keeps a dump's latency in milliseconds (measured in docs).
     sys.setswitchinterval(config.switch_interval_s)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
-    STATE.dumper = Dumper(config, fmt, pin=cuda, device=device)
+    STATE.dumper = Dumper(config, fmt, pin=torch.cuda.is_available())
     manifest = write_manifest(config.dump_dir, _manifest(fmt, config))
     atexit.register(_shutdown, manifest)
 

@@ -18,7 +18,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import sglang_patch._dumper
 import sglang_patch._ledger
 from hsdump._client.loading import read_dump, to_torch
 from hsdump._exceptions import DumpFailed
@@ -58,17 +57,13 @@ def rows(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, (K + 1) * H, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(params=["host", "device-ring"])
-def dumper(tmp_path: Path, request: pytest.FixtureRequest):
-    """Dumpers that copy straight to the host ring, or through a (CPU-backed) device ring half
-    its size, so that both rings fill and wait."""
+@pytest.fixture
+def dumper(tmp_path: Path):
     made = []
-    device = torch.device("cpu") if request.param == "device-ring" else None
 
     def make(**overrides) -> Dumper:
-        defaults = {"pinned_bytes": 1 << 16, "device_staging_bytes": 1 << 15}
-        config = PluginConfig(dump_dir=tmp_path, **{**defaults, **overrides})
-        made.append(Dumper(config, FMT, pin=False, device=device))
+        config = PluginConfig(dump_dir=tmp_path, **{"pinned_bytes": 1 << 16, **overrides})
+        made.append(Dumper(config, FMT, pin=False))
         return made[-1]
 
     yield make
@@ -385,42 +380,6 @@ def test_a_pinned_buffer_too_small_for_one_token_is_refused(tmp_path: Path) -> N
         Dumper(PluginConfig(dump_dir=tmp_path, pinned_bytes=64), FMT, pin=False)
 
 
-def test_a_device_ring_too_small_for_one_token_is_refused(tmp_path: Path) -> None:
-    config = PluginConfig(dump_dir=tmp_path, device_staging_bytes=64)
-    with pytest.raises(ValueError, match="HSDUMP_DEVICE_STAGING_MB"):
-        Dumper(config, FMT, pin=False, device=torch.device("cpu"))
-
-
-def test_a_device_ring_that_does_not_fit_falls_back_to_host_staging(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    def no_room(*args: object, **kwargs: object) -> None:
-        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
-
-    monkeypatch.setattr(sglang_patch._dumper, "DeviceRing", no_room)
-    config = PluginConfig(dump_dir=tmp_path, pinned_bytes=1 << 16)
-    d = Dumper(config, FMT, pin=False, device=torch.device("cpu"))
-    try:
-        assert d.stager.device_ring is None
-        assert "no room for a 1024 MB staging ring" in caplog.text
-        req, hidden = Req("hsdump-a", 9), rows(9)
-        forward(d, batch([req], [9], [0]), hidden)
-        assert_dump(tmp_path, req, hidden[:9])
-    finally:
-        d.close()
-
-
-def test_device_staging_is_on_by_default_and_off_at_zero(monkeypatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("HSDUMP_DUMP_DIR", str(tmp_path))
-    assert load_config().device_staging_bytes == 1024 << 20
-    monkeypatch.setenv("HSDUMP_DEVICE_STAGING_MB", "0")
-    d = Dumper(load_config(), FMT, pin=False, device=torch.device("cpu"))
-    try:
-        assert d.stager.device_ring is None
-    finally:
-        d.close()
-
-
 def test_stale_temporary_dirs_of_dead_processes_are_removed(tmp_path: Path) -> None:
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
@@ -442,9 +401,10 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path: Path) -> None
     monkeypatch.setenv("HSDUMP_LAYER_IDS", "2, 30,58")
     monkeypatch.setenv("HSDUMP_PINNED_MB", "64")
     monkeypatch.setenv("HSDUMP_WRITE_THREADS", "3")
+    monkeypatch.setenv("HSDUMP_SWITCH_INTERVAL_US", "2000")
     config = load_config()
     assert config.layer_ids == (2, 30, 58) and config.pinned_bytes == 64 << 20
-    assert config.write_threads == 3
+    assert config.write_threads == 3 and config.switch_interval_s == 0.002
     assert config.dump_dir == tmp_path
 
 
@@ -457,6 +417,7 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path: Path) -> None
         ("HSDUMP_PINNED_MB", "lots", "not an integer"),
         ("HSDUMP_MAX_PENDING_MB", "-1", "positive"),
         ("HSDUMP_WRITE_THREADS", "0", "positive"),
+        ("HSDUMP_SWITCH_INTERVAL_US", "0", "positive"),
     ],
 )
 def test_malformed_settings_name_the_variable(monkeypatch, tmp_path, name, value, message) -> None:
