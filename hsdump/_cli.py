@@ -515,9 +515,9 @@ def read_server_nodes(path: Path) -> list[tuple[str, Path | None, str | None]]:
 def default_workers() -> int:
     """Worker processes for ``--workers 0``: one per eight cores, 1 to 8.
 
-    Measured at H=7168 on a 16-core H200 host, 8 in flight: 2 workers 19.3k tok/s, 4 16.5k, 8
-    12.9k. Each process sizes its thread pools by all the cores, so more processes oversubscribe
-    them and take cores from the server's dump path.
+    Each process sizes its thread pools by its share of the cores (``HSDUMP_CORES``). Measured
+    at H=7168 on a 16-core H200 host: two store processes of 8 cores each stored 25.4k tok/s,
+    four of 4 cores 17.2k (run G in docs/performance.md).
     """
     return max(1, min(8, (os.cpu_count() or 1) // 8))
 
