@@ -274,7 +274,7 @@ def _print_telemetry(summary: ExtractionSummary) -> None:
 
 
 class _ClientOptions(TypedDict, total=False):
-    """The :class:`~hsdump.HiddenStateClient` arguments ``extract`` sets from its options."""
+    """The `HiddenStateClient` arguments ``extract`` sets from its options."""
 
     request_timeout: float
     dump_timeout: float
@@ -282,7 +282,7 @@ class _ClientOptions(TypedDict, total=False):
 
 
 class _StoreOptions(TypedDict, total=False):
-    """The :func:`~hsdump.open_store` arguments ``extract`` sets from its options."""
+    """The `open_store` arguments ``extract`` sets from its options."""
 
     shard_tokens: int
 

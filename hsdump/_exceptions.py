@@ -1,6 +1,6 @@
 """Every error hsdump raises.
 
-Callers catch :class:`HsdumpError` (or one of its branches) and never an ``httpx``, ``pydantic``,
+Callers catch `HsdumpError` (or one of its branches) and never an ``httpx``, ``pydantic``,
 ``zarr`` or ``OSError`` from inside hsdump: those are translated at the boundary with
 ``raise ... from exc``. Each message names the sample, the request id, what was expected, what was
 found, and what to do.

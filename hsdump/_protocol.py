@@ -4,7 +4,7 @@ This module is the only implementation of the format; ``docs/protocol.md`` is it
 It imports nothing heavier than pydantic (numpy and torch only inside the functions that need
 them), so the SGLang plugin, the reference server, the test fakes and the client all share it
 without pulling in the client's dependencies. It also holds the one table of the float formats
-(:data:`DTYPES`): every part of hsdump that needs a dtype's size, bits or finite check asks it.
+(`DTYPES`): every part of hsdump that needs a dtype's size, bits or finite check asks it.
 
 Layout of a dump root::
 
@@ -416,7 +416,7 @@ class _MappedFile:
 class DumpWriter:
     """Writes one request's dump under a temporary name, then publishes it atomically.
 
-    Rows may arrive in any order and in pieces (chunked prefill); :meth:`publish` refuses unless the
+    Rows may arrive in any order and in pieces (chunked prefill); `publish` refuses unless the
     rows written cover exactly ``[0, num_tokens)``. Use as a context manager: leaving it without
     publishing removes the temporary directory.
 
@@ -591,7 +591,7 @@ def read_meta(
     Args:
         path: The dump's directory.
         sample_id: Named in errors.
-        dir_fd: ``path`` opened by :func:`open_dump_dir` (else it is opened here).
+        dir_fd: ``path`` opened by `open_dump_dir` (else it is opened here).
 
     Raises:
         DumpFailed: The producer published an ``error`` marker.
@@ -645,7 +645,7 @@ def open_dump_file(
 ) -> io.FileIO:
     """Open a dump's regular file for reading, never through a link.
 
-    With ``dir_fd`` (from :func:`open_dump_dir`), ``file.name`` is opened relative to it.
+    With ``dir_fd`` (from `open_dump_dir`), ``file.name`` is opened relative to it.
 
     Raises:
         DumpValidationError: The file is a link, a FIFO or anything but a regular file.
@@ -769,7 +769,7 @@ def check_file_size(
 ) -> None:
     """Raise unless ``file`` is a regular file of exactly ``expected`` bytes (``shape``'s tensor).
 
-    A link is refused, not followed (:func:`open_dump_file` then opens without following one).
+    A link is refused, not followed (`open_dump_file` then opens without following one).
     """
     try:
         info = file.lstat()

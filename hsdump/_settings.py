@@ -1,4 +1,4 @@
-"""hsdump's settings: ``HSDUMP_*`` environment variables, read each time :func:`settings` runs.
+"""hsdump's settings: ``HSDUMP_*`` environment variables, read each time `settings` runs.
 
 Nothing is read at import, so a test (or a parent process sizing its workers) changes a variable
 and the next call sees it. An empty value counts as unset. The server plugin's variables

@@ -1,4 +1,4 @@
-"""The values users pass in and get back: :class:`Sample` and :class:`HiddenStates`."""
+"""The values users pass in and get back: `Sample` and `HiddenStates`."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ class Sample:
         id: A unique sample ID (the key in the store).
         input_ids: The token ids, as a non-empty sequence of non-negative ints.
         loss_mask: Optional per-token mask of 0/1 (or booleans), the same length as
-            ``input_ids``; any other value is an :class:`~hsdump.InputError`.
+            ``input_ids``; any other value is an `InputError`.
     """
 
     id: str

@@ -1,8 +1,8 @@
 """Test helpers for hsdump and for code built on it (like ``zarr.testing``).
 
-- :class:`FakeServer`: an SGLang stand-in on loopback that dumps through the real protocol, with
-  fault injection (:class:`Fault`).
-- :class:`DumpWatcherTests`: the conformance suite every :class:`~hsdump.DumpWatcher` must pass.
+- `FakeServer`: an SGLang stand-in on loopback that dumps through the real protocol, with
+  fault injection (`Fault`).
+- `DumpWatcherTests`: the conformance suite every `DumpWatcher` must pass.
   Its tests order producer and waiter by events, never by sleeping. Subclass it and define
   ``make_watcher``::
 
@@ -282,7 +282,7 @@ async def _warm_up(watcher: DumpWatcher) -> None:
 
 
 class _Wait:
-    """A :meth:`DumpWatcher.wait` running in a task of its own."""
+    """A `DumpWatcher.wait` running in a task of its own."""
 
     def __init__(self) -> None:
         self.path: Path | None = None

@@ -68,7 +68,7 @@ class _Open:
 
 
 class ChunkPlanner:
-    """Tracks requests whose prefill spans several chunks and turns batches into :class:`BatchPlan`.
+    """Tracks requests whose prefill spans several chunks and turns batches into `BatchPlan`.
 
     A request is open from its first chunk (which must start at token 0) until a chunk ends at
     token T; every chunk in between must start where the previous one ended.

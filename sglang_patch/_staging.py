@@ -67,7 +67,7 @@ class PinnedRing:
             return block, self.buffer[start : start + nbytes]
 
     def alloc(self, nbytes: int, *, poll_s: float = 0.5) -> tuple[_Block, torch.Tensor]:
-        """Like :meth:`try_alloc` but waits until older blocks are freed."""
+        """Like `try_alloc` but waits until older blocks are freed."""
         while True:
             got = self.try_alloc(nbytes)
             if got is not None:

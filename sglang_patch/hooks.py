@@ -1,6 +1,6 @@
 """The functions hooked into SGLang, and the start-up checks of each scheduler process.
 
-Four targets (see :data:`sglang_patch.plugin.HOOKS`):
+Four targets (see `sglang_patch.plugin.HOOKS`):
 
 * ``configure_aux_hidden_state_capture`` (AFTER): turns on EAGLE-3 aux-layer capture on the model
   before CUDA graphs are captured, and records the layers it actually captures.
@@ -8,7 +8,7 @@ Four targets (see :data:`sglang_patch.plugin.HOOKS`):
   post-norm final hidden state to the packed aux states, so one ``[T, (K+1)*H]`` tensor flows
   through SGLang's own (graph-safe, trimmed) output path.
 * ``TpModelWorker.forward_batch_generation`` (AROUND): after each prefill forward, stages the rows
-  of opted-in requests (the :class:`~sglang_patch._dumper.Dumper`).
+  of opted-in requests (the `Dumper`).
 * ``Scheduler.__init__`` (AFTER): checks versions, flags and parallelism, starts the dumper on
   the writing rank, writes the producer manifest and logs that the dump is active.
 

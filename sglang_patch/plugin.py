@@ -1,6 +1,6 @@
 """The SGLang plugin: entry point ``sglang.srt.plugins`` ``hsdump = sglang_patch.plugin:register``.
 
-SGLang's ``load_plugins()`` runs :func:`register` in every server process, the scheduler
+SGLang's ``load_plugins()`` runs `register` in every server process, the scheduler
 processes included, then applies the registered hooks. The plugin is inert unless
 ``HSDUMP_DUMP_DIR`` is set, so installing it changes nothing for other servers.
 """
@@ -29,7 +29,7 @@ class Hook:
     Args:
         target: Dotted path of the SGLang function or method.
         kind: ``"AFTER"`` or ``"AROUND"`` (a ``HookType`` member name).
-        function: Name of the hook function in :mod:`sglang_patch.hooks`.
+        function: Name of the hook function in `sglang_patch.hooks`.
     """
 
     def __init__(self, target: str, kind: str, function: str):

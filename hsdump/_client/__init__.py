@@ -1,6 +1,6 @@
 """The client path of one request: send the token ids, wait for the server's dump, check it.
 
-``client`` holds :class:`~hsdump.HiddenStateClient` (the in-flight gate, the request, the probe
+``client`` holds `HiddenStateClient` (the in-flight gate, the request, the probe
 of the server); ``watcher`` waits for a request's ``done`` marker (inotify, polling, watchfiles);
 ``loading`` and ``validate`` turn a published dump into checked tensors; ``budget`` bounds the
 bytes of dumps held in the root; ``janitor`` removes what dead clients left there.

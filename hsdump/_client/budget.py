@@ -25,7 +25,7 @@ def default_budget_bytes(root: Path) -> int:
 
 
 class ByteBudget:
-    """Counts bytes promised to dumps in flight; :meth:`acquire` waits while the budget is spent.
+    """Counts bytes promised to dumps in flight; `acquire` waits while the budget is spent.
 
     A single request larger than the whole budget is let through alone rather than waiting forever.
 
@@ -48,7 +48,7 @@ class ByteBudget:
             self.peak = max(self.peak, self.in_use)
 
     async def release(self, nbytes: int) -> None:
-        """Give back ``nbytes`` taken by :meth:`acquire`."""
+        """Give back ``nbytes`` taken by `acquire`."""
         async with self._changed:
             self.in_use -= nbytes
             self._changed.notify_all()

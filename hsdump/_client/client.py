@@ -72,10 +72,10 @@ class _State(enum.Enum):
 
 @dataclass
 class ClientStats:
-    """The client's own counters of :meth:`HiddenStateClient.extract`, summed over requests.
+    """The client's own counters of `HiddenStateClient.extract`, summed over requests.
 
-    Only what the client itself sees: a run's summary (:class:`~hsdump.ExtractionSummary`) reads
-    its stage times from here (:meth:`since`, :meth:`stages`) instead of timing them again, and
+    Only what the client itself sees: a run's summary (`ExtractionSummary`) reads
+    its stage times from here (`since`, `stages`) instead of timing them again, and
     counts what the client cannot see (commits, retries, skipped samples) itself.
 
     Attributes:
@@ -138,7 +138,7 @@ class HiddenStateClient:
         max_in_flight: Requests at the server at once (1: one at a time, through a lock).
         request_timeout: Seconds to wait for the HTTP response.
         dump_timeout: Seconds to wait for the dump once the response has arrived.
-        watcher: A :class:`DumpWatcher`, or "inotify"/"poll"/"watchfiles" (default:
+        watcher: A `DumpWatcher`, or "inotify"/"poll"/"watchfiles" (default:
             ``$HSDUMP_WATCHER``, else inotify on Linux).
         expected_layer_ids: Refuse dumps of other aux layers (default: the producer manifest's).
         dump_budget_bytes: Most bytes of requested-but-not-ingested dumps (default: half of the
@@ -301,7 +301,7 @@ class HiddenStateClient:
     async def extract(self, sample: Sample) -> HiddenStates:
         """Run ``sample`` through the server and return its verified hidden states.
 
-        One attempt with a fresh request id; errors are :class:`HsdumpError` subclasses whose
+        One attempt with a fresh request id; errors are `HsdumpError` subclasses whose
         ``transient`` attribute says whether a retry may succeed.
         """
         if self._state is not _State.OPEN:

@@ -34,7 +34,7 @@ TEMP_ROOT_PREFIX, OWNER_FILE = "hsdump-", "_owner.lock"
 
 
 class ClientLease:
-    """This client's id in a dump root, held by an ``flock`` until :meth:`release`."""
+    """This client's id in a dump root, held by an ``flock`` until `release`."""
 
     def __init__(self, root: Path, rid_prefix: str = DEFAULT_RID_PREFIX):
         self.root = root

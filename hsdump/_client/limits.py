@@ -2,7 +2,7 @@
 
 The client checks every sample against these limits before sending it, and the dataset reader
 checks every line against the same limits, so a bad sample is refused in one place by one rule
-(the ids' own type, non-negative ints, is :class:`~hsdump.Sample`'s check).
+(the ids' own type, non-negative ints, is `Sample`'s check).
 """
 
 from __future__ import annotations

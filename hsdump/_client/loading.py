@@ -1,8 +1,8 @@
-"""Reading a published dump: the one read path, and turning it into :class:`~hsdump.HiddenStates`.
+"""Reading a published dump: the one read path, and turning it into `HiddenStates`.
 
-:func:`read_dump` is how every dump is read (the client's :func:`load_dump` goes through it): the
+`read_dump` is how every dump is read (the client's `load_dump` goes through it): the
 directory opened without following a link, its markers and ``meta.json`` checked, then each tensor
-file read into fresh memory with its size and values checked (:func:`read_checked`).
+file read into fresh memory with its size and values checked (`read_checked`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class Dump:
     """A published dump as read and checked: ``aux [T, K, H]`` and ``final [T, H]``.
 
     The arrays hold the values' raw bits (``meta.dtype``'s
-    :attr:`~hsdump._protocol.DtypeSpec.bits`); :func:`to_torch` views them as floats.
+    `bits`); `to_torch` views them as floats.
     """
 
     path: Path

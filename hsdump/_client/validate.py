@@ -1,8 +1,8 @@
 """Always-on checks that a response and a dump belong to the sample and hold usable values.
 
-Every check raises its own :class:`~hsdump.DumpValidationError` subclass naming the sample, the
+Every check raises its own `DumpValidationError` subclass naming the sample, the
 request, what was expected and what was found. The value checks read the floats' bits directly
-(no conversion, with the masks of :data:`~hsdump._protocol.DTYPES`) in cache-sized blocks as they
+(no conversion, with the masks of `DTYPES`) in cache-sized blocks as they
 are read from the dump, so they cost one pass.
 """
 
@@ -53,8 +53,8 @@ _MAX_HIDDEN_SIZE = 1 << 20
 class Expected:
     """What every dump of a run must agree on.
 
-    A client seeds every field from the producer manifest (:meth:`from_manifest`). Fields left
-    unset are learnt from the first dump that passes every check (:meth:`remember`), so a dump
+    A client seeds every field from the producer manifest (`from_manifest`). Fields left
+    unset are learnt from the first dump that passes every check (`remember`), so a dump
     that is refused never sets what the next ones are held to.
     """
 
@@ -218,7 +218,7 @@ def validate_meta(
 ) -> None:
     """Check that the dump at ``path`` is request ``rid``'s capture of ``input_ids``.
 
-    The values are checked as they are read (:func:`read_checked`).
+    The values are checked as they are read (`read_checked`).
     """
     if meta.rid != rid:
         raise RidMismatch(
@@ -260,11 +260,11 @@ def read_checked(
     """Read a dump's tensor file into fresh memory, checking each block while it is in cache.
 
     ``file`` is opened without following a link, relative to ``dir_fd`` (the dump's directory
-    from :func:`~hsdump._protocol.open_dump_dir`) when given.
+    from `open_dump_dir`) when given.
 
     Raises unless the file holds exactly ``shape`` and every value is finite and no row (or layer
     of a row) is all zeros. The values arrive as their raw bits (``uint16`` for bf16 and fp16,
-    ``uint32`` for fp32: :attr:`~hsdump._protocol.DtypeSpec.bits`). One pass: ``readinto`` a
+    ``uint32`` for fp32: `bits`). One pass: ``readinto`` a
     block (no page faults on a mapping), then scan it from cache.
     """
     if min(shape, default=0) < 0:

@@ -1,13 +1,13 @@
-"""Waiting for a request's dump: the :class:`DumpWatcher` protocol and its implementations.
+"""Waiting for a request's dump: the `DumpWatcher` protocol and its implementations.
 
-:class:`InotifyWatcher` reads Linux inotify events straight from the kernel in one of its waiting
+`InotifyWatcher` reads Linux inotify events straight from the kernel in one of its waiting
 tasks (``anyio.wait_readable``: asyncio and trio alike), so a dump is seen within microseconds and
 an idle watcher costs no CPU.
 watchfiles was measured first: its Rust loop wakes every ``step`` ms (p50 wake-up 2.0 ms at
 ``step=1``) and ``step=0`` spins a whole core, so it cannot meet a sub-millisecond wake-up; it is
-offered as :class:`WatchfilesWatcher` (``watcher="watchfiles"``) for platforms where the Rust
+offered as `WatchfilesWatcher` (``watcher="watchfiles"``) for platforms where the Rust
 ``notify`` crate has a backend and inotify_simple does not.
-:class:`PollingWatcher` is the fallback for filesystems without inotify (NFS, some containers).
+`PollingWatcher` is the fallback for filesystems without inotify (NFS, some containers).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ class PollingWatcher:
         self._closed = False
 
     async def wait(self, rid: str, timeout: float) -> Path:
-        """See :meth:`DumpWatcher.wait`."""
+        """See `DumpWatcher.wait`."""
         path = request_dir(self.root, validate_rid(rid))
         if self._closed:
             raise ConfigError("this watcher is closed")
@@ -104,7 +104,7 @@ class PollingWatcher:
         raise _timeout_error(self.root, rid, timeout)
 
     async def aclose(self) -> None:
-        """See :meth:`DumpWatcher.aclose`."""
+        """See `DumpWatcher.aclose`."""
         self._closed = True
 
 
@@ -200,7 +200,7 @@ class InotifyWatcher:
             self._wake(rid)
 
     async def wait(self, rid: str, timeout: float) -> Path:
-        """See :meth:`DumpWatcher.wait`."""
+        """See `DumpWatcher.wait`."""
         path = request_dir(self.root, validate_rid(rid))
         if self._closed:
             raise ConfigError("this watcher is closed")
@@ -242,7 +242,7 @@ class InotifyWatcher:
                 self._inotify.rm_watch(wd)
 
     async def aclose(self) -> None:
-        """See :meth:`DumpWatcher.aclose`."""
+        """See `DumpWatcher.aclose`."""
         self._closed = True
         if self._inotify is not None:
             anyio.notify_closing(self._inotify.fileno())  # the reading wait stops, then closes
@@ -325,7 +325,7 @@ class WatchfilesWatcher:
             wakeup.set()
 
     async def wait(self, rid: str, timeout: float) -> Path:
-        """See :meth:`DumpWatcher.wait`."""
+        """See `DumpWatcher.wait`."""
         path = request_dir(self.root, validate_rid(rid))
         if self._closed:
             raise ConfigError("this watcher is closed")
@@ -362,7 +362,7 @@ class WatchfilesWatcher:
             time.sleep(0.0002)
 
     async def aclose(self) -> None:
-        """See :meth:`DumpWatcher.aclose`."""
+        """See `DumpWatcher.aclose`."""
         self._closed = True
         if self._thread is not None:
             self._stop.set()  # seen within one step

@@ -29,7 +29,7 @@ class HiddenStateDataset(Dataset[dict[str, "torch.Tensor"]]):
     - ``final_hidden_state``: ``[T, H]``
 
     Args:
-        path: The store (a path, URL or zarr ``Store``), as for :func:`hsdump.open_store`.
+        path: The store (a path, URL or zarr ``Store``), as for `hsdump.open_store`.
         sample_ids: Restrict to these IDs, in this order (default: every committed sample).
         verify: Recompute each sample's checksum when it is read.
     """

@@ -2,7 +2,7 @@
 
 Each line is a JSON object ``{"id": ..., "input_ids": [...], "loss_mask": [...]}``; with a local
 tokenizer, ``"text"`` or chat ``"messages"`` may stand in for ``input_ids``. A bad line never stops
-the others: it becomes a :class:`BadLine` naming the line number and the reason, and the caller
+the others: it becomes a `BadLine` naming the line number and the reason, and the caller
 decides what to do with it (the CLI reports it and records it in the failures file).
 """
 
@@ -215,7 +215,7 @@ class Shard:
 
     @classmethod
     def parse(cls, text: str) -> Shard:
-        """``"I/N"`` (e.g. ``"0/3"``); raises :class:`ConfigError` for anything else."""
+        """``"I/N"`` (e.g. ``"0/3"``); raises `ConfigError` for anything else."""
         try:
             index, count = (int(part) for part in text.split("/"))
         except ValueError:

@@ -1,8 +1,8 @@
 """Extraction in several processes: each worker has its own client and its own part of the store.
 
 One interpreter cannot read, check and compress hidden states as fast as a GPU produces them: its
-threads queue on one lock. :func:`run_parallel_extraction` starts ``workers`` processes. Each one
-opens a :class:`~hsdump.HiddenStateClient` on the same server and dump root, and writes its own
+threads queue on one lock. `run_parallel_extraction` starts ``workers`` processes. Each one
+opens a `HiddenStateClient` on the same server and dump root, and writes its own
 part (``w<i>``) of the same store, so ingest and compression run on every core. This process keeps
 the dataset, hands samples to the workers that have room (a slow worker takes fewer), and adds up
 their progress.
@@ -349,7 +349,7 @@ def run_parallel_extraction(
 ) -> ExtractionSummary:
     """Extract every sample ``store`` does not hold yet, in ``workers`` processes.
 
-    Each worker opens its own :class:`~hsdump.HiddenStateClient` on ``url`` and ``dump_dir`` (with
+    Each worker opens its own `HiddenStateClient` on ``url`` and ``dump_dir`` (with
     ``client_options``) and writes its own part ``w<i>`` of the store at ``store`` (opened with
     ``store_options``); all of them together keep at most ``concurrency`` requests at the server.
     A rerun, with any number of workers, resumes.
@@ -373,8 +373,8 @@ def run_parallel_extraction(
         progress: Called with the live summary (at most every 0.1 s).
         line_numbers: Dataset line of each sample id, for the failures file.
         prior_failures: Failures found before the run (bad dataset lines), recorded first.
-        client_options: Further :class:`~hsdump.HiddenStateClient` arguments (timeouts...).
-        store_options: Further :func:`~hsdump.open_store` arguments (``shard_tokens``...).
+        client_options: Further `HiddenStateClient` arguments (timeouts...).
+        store_options: Further `open_store` arguments (``shard_tokens``...).
 
     Returns:
         The summary over all workers; ``progress`` has seen it last with the final counts.

@@ -52,15 +52,15 @@ logger = logging.getLogger(__name__)
 
 
 class Extractor(Protocol):
-    """What turns a sample into hidden states (a :class:`~hsdump.HiddenStateClient`)."""
+    """What turns a sample into hidden states (a `HiddenStateClient`)."""
 
     async def extract(self, sample: Sample) -> HiddenStates:
-        """One attempt; raises :class:`HsdumpError` (with ``transient``) on failure."""
+        """One attempt; raises `HsdumpError` (with ``transient``) on failure."""
         ...
 
 
 class SampleSink(Protocol):
-    """Where committed samples go (a :class:`~hsdump.HiddenStateStore`).
+    """Where committed samples go (a `HiddenStateStore`).
 
     ``bytes_raw`` (or ``bytes_raw_written``) and ``bytes_stored`` attributes, when present, feed
     the compression ratio. A ``token_mismatch(sample)`` method, when present, says how a committed
@@ -336,7 +336,7 @@ class _FailureLog:
 
 @dataclass(frozen=True)
 class _Policy:
-    """How a run treats each sample: :func:`run_extraction`'s arguments about samples."""
+    """How a run treats each sample: `run_extraction`'s arguments about samples."""
 
     retries: int
     backoff: Backoff
@@ -513,7 +513,7 @@ async def run_extraction(
     Args:
         samples: The samples, in order; or a stream of samples that ends when its sender closes
             (then nothing is planned: the sender skips committed samples and counts totals).
-        client: An open :class:`~hsdump.HiddenStateClient` (or anything with its ``extract``).
+        client: An open `HiddenStateClient` (or anything with its ``extract``).
         store: An open store in write mode.
         retries: Retries of a sample after a transient failure (a fresh request each time).
         backoff: Delays between attempts.

@@ -1,10 +1,10 @@
-"""The extraction actor of a Ray run (see :mod:`hsdump._run.ray_driver`): one per server, on
+"""The extraction actor of a Ray run (see `hsdump._run.ray_driver`): one per server, on
 its node.
 
-This module imports no Ray: :mod:`hsdump._run.ray_driver` wraps :class:`ExtractionActor` with
-``ray.remote`` when a run starts. An actor opens its own :class:`~hsdump.HiddenStateClient` on
+This module imports no Ray: `hsdump._run.ray_driver` wraps `ExtractionActor` with
+``ray.remote`` when a run starts. An actor opens its own `HiddenStateClient` on
 its server and dump root and its own part of the store, then extracts the batches the driver
-hands it. Each batch is one :func:`~hsdump.run_extraction`, which flushes the store before it
+hands it. Each batch is one `run_extraction`, which flushes the store before it
 returns: a batch whose result reached the driver is committed, so after a death only the batches
 still out need a look at the store.
 """

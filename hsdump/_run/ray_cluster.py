@@ -1,7 +1,7 @@
-"""The Ray cluster side of :mod:`hsdump._run.ray_driver`: joining it, finding the servers'
+"""The Ray cluster side of `hsdump._run.ray_driver`: joining it, finding the servers'
 nodes, fences.
 
-Ray is imported here only when a run asks for it (:func:`require_ray`), so ``import hsdump``
+Ray is imported here only when a run asks for it (`require_ray`), so ``import hsdump``
 never imports it.
 """
 
@@ -70,7 +70,7 @@ def writer_gone(store: str, writer_id: str, timeout: float) -> bool:
 
 
 def require_ray() -> Any:
-    """The ``ray`` module, or a :class:`ConfigError` saying how to install it."""
+    """The ``ray`` module, or a `ConfigError` saying how to install it."""
     try:
         import ray
     except ImportError as exc:

@@ -1,7 +1,7 @@
 """Extraction over a Ray cluster: one actor per server, on that server's node, into one store.
 
 A server's dump root is local to its node, so the process that reads its dumps must run there.
-:func:`run_ray_extraction` starts one :class:`~hsdump._run.ray_actor.ExtractionActor` per server,
+`run_ray_extraction` starts one `ExtractionActor` per server,
 pinned to the server's node with ``NodeAffinitySchedulingStrategy(node_id, soft=False)``: a node
 named in the servers list by its Ray node id, its ``hsdump-node:<name>`` custom resource, its
 hostname or its IP address (resolved to one node id at the start; no ``node``: this process's
@@ -19,7 +19,7 @@ until the dead actor's part lock is free (the OS frees it with the process: noth
 committed there), reads the store, and puts the samples of its batches that are not committed
 back at the front of the queue; the actor is started again on its node (a few times at most),
 and a server whose node is gone is left out. The store is the one truth of what is committed,
-as in :mod:`hsdump._run.parallel`, so each sample is committed once, also over reruns.
+as in `hsdump._run.parallel`, so each sample is committed once, also over reruns.
 
 docs/multinode.md has the recipe: SGLang on N nodes, ``ray start``, the servers file.
 """
@@ -375,7 +375,7 @@ def run_ray_extraction(
     """Extract every sample ``store`` does not hold yet on a Ray cluster, one actor per server.
 
     Each server's actor runs on the server's node (its dump root is local there), opens its own
-    :class:`~hsdump.HiddenStateClient` and writes its own part of the store, which every node
+    `HiddenStateClient` and writes its own part of the store, which every node
     must see at the same path (a shared file system, or object storage). This process keeps the
     queue and hands batches to the actors with room. A dead actor or node loses nothing: its
     uncommitted samples go to the others and the actor is started again where its node lives.
@@ -404,8 +404,8 @@ def run_ray_extraction(
         progress: Called with the live summary (at most every 0.1 s).
         line_numbers: Dataset line of each sample id, for the failures file.
         prior_failures: Failures found before the run (bad dataset lines), recorded first.
-        client_options: Further :class:`~hsdump.HiddenStateClient` arguments (timeouts...).
-        store_options: Further :func:`~hsdump.open_store` arguments (``shard_tokens``...).
+        client_options: Further `HiddenStateClient` arguments (timeouts...).
+        store_options: Further `open_store` arguments (``shard_tokens``...).
 
     Returns:
         The summary over all actors; ``progress`` has seen it last with the final counts.

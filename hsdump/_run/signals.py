@@ -1,8 +1,8 @@
 """A command's graceful stop on SIGINT or SIGTERM: the first signal stops, later ones wait.
 
-The first signal stops the run once: inside :meth:`GracefulStop.cancelling` it cancels that
+The first signal stops the run once: inside `GracefulStop.cancelling` it cancels that
 scope from the event loop (the run then flushes the store, reports and cleans up), elsewhere it
-raises :class:`Stopped`, a ``KeyboardInterrupt``, so sync code unwinds through its ``finally``
+raises `Stopped`, a ``KeyboardInterrupt``, so sync code unwinds through its ``finally``
 blocks. Later signals, until the process exits, only say that the stop is under way: a second
 Ctrl-C used to cut that cleanup short, the embedded server's and the interpreter's teardown among
 it, and could abort with exit code 134.

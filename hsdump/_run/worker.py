@@ -1,7 +1,7 @@
-"""The worker process of a multi-process extraction (see :mod:`hsdump._run.parallel`).
+"""The worker process of a multi-process extraction (see `hsdump._run.parallel`).
 
-A worker opens its own :class:`~hsdump.HiddenStateClient` and its own store part, and runs
-:func:`~hsdump._run.pipeline.run_extraction` on the samples the parent sends over a pipe. The
+A worker opens its own `HiddenStateClient` and its own store part, and runs
+`run_extraction` on the samples the parent sends over a pipe. The
 same pipe carries its requests for a slot at the server (granted by the parent), its progress,
 and its end.
 """

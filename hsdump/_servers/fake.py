@@ -1,6 +1,6 @@
 """A fake patched server for tests: real HTTP, real dump files, deterministic states, faults.
 
-Public through :mod:`hsdump.testing`.
+Public through `hsdump.testing`.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def fake_states(
 
 
 class FakeEngine:
-    """The engine behind :class:`FakeServer` (see there)."""
+    """The engine behind `FakeServer` (see there)."""
 
     def __init__(
         self,
@@ -117,15 +117,15 @@ class FakeEngine:
         self._pool = _random_pool(pool_tokens, len(self.layer_ids) + 1, hidden_size, dtype)
 
     def server_info(self) -> dict[str, Any]:
-        """See :class:`hsdump._servers.http_app.Engine`."""
+        """See `hsdump._servers.http_app.Engine`."""
         return self.info
 
     def model_info(self) -> dict[str, Any]:
-        """See :class:`hsdump._servers.http_app.Engine`."""
+        """See `hsdump._servers.http_app.Engine`."""
         return {"model_path": "fake", "is_generation": True}
 
     async def generate(self, request: GenerateRequest) -> dict[str, Any]:
-        """See :class:`hsdump._servers.http_app.Engine`."""
+        """See `hsdump._servers.http_app.Engine`."""
         started = time.perf_counter()
         self.received.append(request)
         rid, ids = request.rid or "anonymous", list(request.input_ids or [])

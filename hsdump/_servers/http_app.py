@@ -1,7 +1,7 @@
 """An HTTP front end that speaks the subset of SGLang's API hsdump uses, over a pluggable engine.
 
-The reference server (a real transformers model) and the test fake (:mod:`hsdump.testing`) are both
-an :class:`Engine` behind :class:`SGLangCompatibleServer`, so the client always talks real HTTP on
+The reference server (a real transformers model) and the test fake (`hsdump.testing`) are both
+an `Engine` behind `SGLangCompatibleServer`, so the client always talks real HTTP on
 loopback to the same endpoints a real SGLang server offers: ``POST /generate``, ``GET /health``,
 ``/health_generate``, ``/ready``, ``/server_info`` (alias ``/get_server_info``) and ``/model_info``
 (alias ``/get_model_info``).

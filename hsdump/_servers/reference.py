@@ -4,7 +4,7 @@ It lets users see the whole pipeline work before they have an SGLang deployment,
 tests a producer that runs a real model. It follows SGLang's conventions exactly: aux layer id
 ``i`` is transformers' ``hidden_states[i]`` (the input of decoder layer ``i``), the default layers
 are ``[2, N // 2, N - 3]``, and the final state is the post-norm last hidden state
-(``hidden_states[-1]``). Only requests that opted in (see :func:`hsdump._protocol.is_opted_in`)
+(``hidden_states[-1]``). Only requests that opted in (see `hsdump._protocol.is_opted_in`)
 are dumped, so health checks and other clients' traffic leave no trace in the dump root.
 """
 
@@ -80,7 +80,7 @@ def build_default_model(seed: int = DEFAULT_SEED, **overrides: Any) -> PreTraine
 
     Args:
         seed: The torch seed used to initialise the weights; equal seeds give equal weights.
-        **overrides: ``LlamaConfig`` fields replacing those of :data:`DEFAULT_CONFIG`.
+        **overrides: ``LlamaConfig`` fields replacing those of `DEFAULT_CONFIG`.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -342,7 +342,7 @@ class ReferenceServer:
 
     Args:
         model: A local model directory, a loaded transformers causal LM, or None for the built-in
-            small Llama (:func:`build_default_model`).
+            small Llama (`build_default_model`).
         dump_dir: The dump root; ``$HSDUMP_DUMP_DIR`` or ``/dev/shm/hsdump`` when None.
         host: Interface to bind (loopback unless told otherwise).
         port: TCP port; 0 picks a free one.

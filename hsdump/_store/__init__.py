@@ -1,6 +1,6 @@
 """The store: a Zarr v3 group of parts, one per writer, each a sharded array of token rows.
 
-``store`` is the public :class:`~hsdump.HiddenStateStore` (open, write, read, verify); ``part``
+``store`` is the public `HiddenStateStore` (open, write, read, verify); ``part``
 appends samples to one part and commits them; ``shardbuf`` and ``shardio`` place rows into shard
 buffers and write and read whole shards; ``codecs``, ``stats``, ``integrity`` and ``provenance``
 hold the compression, the per-layer statistics, the checksums and what produced a sample;

@@ -263,7 +263,7 @@ class PartLock(Protocol):
     """A writer's hold on one part: a local file lock, an S3 lease, or nothing."""
 
     def check(self) -> None:
-        """Raise :class:`PartLockLostError` if the part may no longer be committed to."""
+        """Raise `PartLockLostError` if the part may no longer be committed to."""
 
     def release(self) -> None:
         """Let the part go (idempotent)."""
@@ -288,7 +288,7 @@ class _FileLock:
 
 def lock_part(root: zarr.Group, name: str, where: str, writer_id: str = "") -> PartLock:
     """Hold the part exclusively while it is open: a file lock beside a local store, a lease
-    object beside an S3 store (:mod:`hsdump._store.lease`), nothing for other stores.
+    object beside an S3 store (`hsdump._store.lease`), nothing for other stores.
 
     Raises:
         PartLockedError: Another live writer holds the part.

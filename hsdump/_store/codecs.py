@@ -2,7 +2,7 @@
 
 zarr has no bfloat16 data type, so the store keeps the raw bits of every float as an unsigned
 integer of the same width, as the dump protocol's readers do (the one table of dtypes is
-:data:`hsdump._protocol.DTYPES`), and names the logical dtype in the array's attributes. Every zarr
+`hsdump._protocol.DTYPES`), and names the logical dtype in the array's attributes. Every zarr
 v3 reader can open such an array, and the conversion is a zero-copy view in both directions.
 """
 

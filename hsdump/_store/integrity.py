@@ -3,7 +3,7 @@
 A sample's bytes carry their own CRC-32 (``index/rows`` column 3). This module covers the rest:
 
 - A part's committed state (its ``zarr.json`` attribute, with the counters, provenance and
-  per-layer statistics) has a CRC-32 of its canonical JSON beside it, under :data:`STATE_CRC_KEY`.
+  per-layer statistics) has a CRC-32 of its canonical JSON beside it, under `STATE_CRC_KEY`.
 - The committed index (rows, sample ids, token digests) has three running CRC-32s in the state,
   each over its entries in order, so a commit extends them without reading the index back.
 - Each sample records a digest of its token ids and loss mask, so a resumed run can tell that a
@@ -59,7 +59,7 @@ def damaged(file: str, reason: str) -> StoreCorruptedError:
 
 
 def open_array(group: Any, key: str, where: str) -> Any:
-    """``group[key]``; metadata that does not decode raises :class:`StoreCorruptedError`.
+    """``group[key]``; metadata that does not decode raises `StoreCorruptedError`.
 
     ``where`` names the store in the message, as in ``<where>/<part>/<key>/zarr.json``.
     """
@@ -80,7 +80,7 @@ def state_crc(state: Any) -> int:
 
 def state_attributes(state_key: str, state: dict[str, Any]) -> dict[str, Any]:
     """The attributes a commit writes, in one ``zarr.json``: the state, its checksum and
-    :func:`committed_counts`."""
+    `committed_counts`."""
     return {state_key: state, STATE_CRC_KEY: state_crc(state), **committed_counts(state)}
 
 
@@ -122,13 +122,13 @@ def token_digest(ids_le_i8: bytes, n: int, mask: bytes | None) -> int:
 
 
 def stored_token_digest(ids: np.ndarray, mask: np.ndarray | None) -> int:
-    """:func:`token_digest` of the int32 ids and uint8 mask a sample is stored with."""
+    """`token_digest` of the int32 ids and uint8 mask a sample is stored with."""
     raw = None if mask is None else np.ascontiguousarray(mask, np.uint8).tobytes()
     return token_digest(np.ascontiguousarray(ids, "<i8").tobytes(), len(ids), raw)
 
 
 def sample_token_digest(input_ids: Sequence[int], loss_mask: Sequence[int] | None) -> int | None:
-    """:func:`token_digest` of a dataset sample; None when the store could not hold its values."""
+    """`token_digest` of a dataset sample; None when the store could not hold its values."""
     try:
         ids = np.fromiter(input_ids, "<i8", len(input_ids))  # from a list: 1.5x np.asarray's speed
         mask = None if loss_mask is None else np.fromiter(loss_mask, np.uint8, len(loss_mask))

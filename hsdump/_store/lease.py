@@ -13,7 +13,7 @@ object ``s3://b/p/s.zarr.hsdump-locks/part-<id>.lease`` (beside the store, like 
 - deleted with ``DELETE If-Match`` on close.
 
 Before each commit the writer checks that its lease is still its own and renewed recently
-(:meth:`Lease.check`); a lease replaced by another writer stops it. See docs/object-storage.md.
+(`Lease.check`); a lease replaced by another writer stops it. See docs/object-storage.md.
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class _Found:
 
 
 class Lease:
-    """A held lease on one part; create it with :meth:`acquire`."""
+    """A held lease on one part; create it with `acquire`."""
 
     def __init__(self, store: Any, key: str, url: str, holder: LeaseHolder, etag: str) -> None:
         self._store, self._key, self.url = store, key, url

@@ -5,7 +5,7 @@ Credentials and the endpoint are found the way the AWS SDKs find them (botocore'
 shared config files, instance roles; ``AWS_ENDPOINT_URL`` for another S3 API server), or from
 ``storage_options`` (s3fs's ``key``, ``secret``, ``token``, ``profile``, ``endpoint_url``,
 ``client_kwargs``...). None of them is ever put in a message: stores are described by their
-URL without user info or query, and dependency messages pass through :func:`redact`.
+URL without user info or query, and dependency messages pass through `redact`.
 
 This module imports nothing heavy at import time (the CLI imports it); s3fs and botocore are
 imported when an ``s3://`` store is opened, and missing ones name the ``hsdump[s3]`` extra.
@@ -144,7 +144,7 @@ def _remember_secrets(options: Mapping[str, Any]) -> None:
 
 
 def open_s3(url: str, storage_options: Mapping[str, Any] | None, *, read_only: bool) -> FsspecStore:
-    """zarr's ``FsspecStore`` for an ``s3://`` URL, its bucket checked (see :func:`check_bucket`).
+    """zarr's ``FsspecStore`` for an ``s3://`` URL, its bucket checked (see `check_bucket`).
 
     Listings are never cached (other writers add parts).
     """

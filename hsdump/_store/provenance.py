@@ -126,7 +126,7 @@ _FINAL_NORM = {
 
 
 def check_compatible(store: Provenance, sample: Provenance, *, where: str, sample_id: str) -> None:
-    """Raise :class:`ProvenanceMismatch` if a setting known on both sides differs."""
+    """Raise `ProvenanceMismatch` if a setting known on both sides differs."""
     for name in SETTING_FIELDS:
         have, got = getattr(store, name), getattr(sample, name)
         if have is None or got is None or have == got:

@@ -39,7 +39,7 @@ class CorruptSample(BaseModel):
 
 
 class VerifyReport(BaseModel):
-    """The result of :meth:`HiddenStateStore.verify`.
+    """The result of `HiddenStateStore.verify`.
 
     Attributes:
         checked: Samples re-read.
@@ -137,7 +137,7 @@ class PartReader:
         return reason
 
     def _read_checked(self, row: int, sid: str, where: str) -> tuple[Any, Any, Any]:
-        """:meth:`read_raw` with hsdump's errors; rows read as zeros are checked."""
+        """`read_raw` with hsdump's errors; rows read as zeros are checked."""
         holes: list[str] = []
         try:
             raw = self.read_raw(row, holes)
@@ -157,7 +157,7 @@ class PartReader:
         return raw
 
     def read(self, row: int, *, verify: bool, where: str) -> HiddenStates:
-        """Read a committed row as :class:`HiddenStates`; tensors are views of the decoded bits."""
+        """Read a committed row as `HiddenStates`; tensors are views of the decoded bits."""
         import torch
 
         from hsdump._types import HiddenStates

@@ -5,7 +5,7 @@ boundary), then one job on the codec pool copies the rows in and computes the sa
 and statistics. Placement was the serial part of a write (one writer thread copying and
 checksumming every byte); as a job, samples are placed in parallel while the writer takes the
 next one. A shard is encoded only once every job placing rows in it is done
-(:meth:`ShardBuffer.wait_placed`).
+(`ShardBuffer.wait_placed`).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def place_sample(
 ) -> Placed:
     """Copy a sample's aux and final rows into its pieces, with its checksum and statistics.
 
-    One pass in blocks of :data:`~hsdump._store.stats.BLOCK_ROWS` rows: each block is copied,
+    One pass in blocks of `BLOCK_ROWS` rows: each block is copied,
     then checksummed and accounted in ``stats`` while it is in cache (three passes over memory
     were the store's largest cost after the codec). The checksum is the CRC-32 of the stored
     rows in order, then the token ids, then the mask if any.

@@ -5,7 +5,7 @@ The bytes are exactly zarr v3's ``sharding_indexed`` format as the array's metad
 opens the store, and shards zarr wrote are read here. hsdump encodes and decodes the inner chunks
 itself because zarr-python 3.1 encodes a shard's chunks one after another through numcodecs, which
 holds the GIL: on two cores that caps writes at ~250 MB/s, against ~650 MB/s for the same codec
-run on a thread pool. What this relies on in zarr is in :mod:`hsdump._store.zarr_adapter`.
+run on a thread pool. What this relies on in zarr is in `hsdump._store.zarr_adapter`.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ DAMAGED = (ChunkDecodeError, ShardIndexError)
 @cache
 def codec_pool() -> ThreadPoolExecutor:
     """The process-wide pool for codec and statistics work (one thread per core it may use),
-    made on first use; :func:`shutdown_codec_pool` stops it, also at interpreter exit."""
+    made on first use; `shutdown_codec_pool` stops it, also at interpreter exit."""
     import numcodecs.blosc
 
     # Without this, Blosc on a thread other than the main one may take its global context and

@@ -114,7 +114,7 @@ class RowStats:
         self._scratch: np.ndarray | None = None
 
     def add(self, bits: np.ndarray) -> None:
-        """Account rows ``[n, L, H]``, in blocks of at most :data:`BLOCK_ROWS` rows."""
+        """Account rows ``[n, L, H]``, in blocks of at most `BLOCK_ROWS` rows."""
         self._hidden = bits.shape[2]
         for start in range(0, bits.shape[0], BLOCK_ROWS):
             self._add_block(bits[start : start + BLOCK_ROWS])

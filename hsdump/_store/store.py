@@ -1,6 +1,6 @@
 """The hidden-state store: samples keyed by ID in a chunked, compressed Zarr store.
 
-A store is a zarr group with one part per writer (see :mod:`hsdump._store.part`)::
+A store is a zarr group with one part per writer (see `hsdump._store.part`)::
 
     store.zarr/
       zarr.json              attributes["hsdump_store"] = {"format": "hsdump-store", "version": 1}
@@ -161,11 +161,11 @@ def verify_store(path: str | os.PathLike[str] | Any) -> VerifyReport:
 
 
 class HiddenStateStore:
-    """Samples' hidden states keyed by sample ID. Create it with :func:`open_store`.
+    """Samples' hidden states keyed by sample ID. Create it with `open_store`.
 
     Reading sees committed samples only: ``len(store)``, ``sample_id in store``, iteration and
-    ``store[sample_id]``. Writing buffers samples until a shard is full; :meth:`flush` and
-    :meth:`close` commit the rest. Other processes' commits become visible on :meth:`refresh`.
+    ``store[sample_id]``. Writing buffers samples until a shard is full; `flush` and
+    `close` commit the rest. Other processes' commits become visible on `refresh`.
 
     Attributes:
         writer_id: This writer's part (``None`` when read-only).
@@ -345,7 +345,7 @@ class HiddenStateStore:
         )
 
     def write(self, hs: HiddenStates, *, if_exists: IfExists = "error") -> bool:
-        """Write one sample (blocking; :meth:`awrite` from asyncio).
+        """Write one sample (blocking; `awrite` from asyncio).
 
         It is committed when its shard is written, or on flush.
 
@@ -447,7 +447,7 @@ class HiddenStateStore:
         return self._writer
 
     async def aflush(self) -> None:
-        """Async :meth:`flush`."""
+        """Async `flush`."""
         import anyio
 
         await anyio.to_thread.run_sync(self.flush)
@@ -478,7 +478,7 @@ class HiddenStateStore:
                     self._part_lock = None
 
     async def aclose(self) -> None:
-        """Async :meth:`close`."""
+        """Async `close`."""
         import anyio
 
         await anyio.to_thread.run_sync(self.close)
@@ -574,7 +574,7 @@ class HiddenStateStore:
     @property
     def bytes_raw_written(self) -> int:
         """Raw hidden-state bytes of the samples in the shards written so far (committed, or
-        waiting for the next commit): with :attr:`bytes_stored`, the compression ratio."""
+        waiting for the next commit): with `bytes_stored`, the compression ratio."""
         pending = self._writer.raw_bytes_awaiting_commit() if self._writer is not None else 0
         return self.bytes_raw + pending
 
@@ -614,7 +614,7 @@ class HiddenStateStore:
         )
 
     def verify(self, sample_ids: list[str] | None = None, *, progress: Any = None) -> VerifyReport:
-        """Re-read committed samples and compare their checksums; see :class:`VerifyReport`.
+        """Re-read committed samples and compare their checksums; see `VerifyReport`.
 
         Every part's state and index are re-read from the store first and checked too.
 

@@ -20,7 +20,7 @@ Every other module of the store uses zarr's public API only (``zarr.open_group``
   ``(offset, nbytes)`` (``2**64 - 1`` twice for a chunk left out), then the CRC-32C of those
   pairs as a little-endian uint32. A chunk whose values are all the fill value may be left out.
 
-Why hsdump encodes shards itself is in :mod:`hsdump._store.shardio`. ``tests/test_zarr_compat.py``
+Why hsdump encodes shards itself is in `hsdump._store.shardio`. ``tests/test_zarr_compat.py``
 checks all of this against the installed zarr (zarr reads what hsdump writes and hsdump reads what
 zarr writes, bit for bit); ``docs/store.md`` says which zarr versions it has been run on.
 """
@@ -162,7 +162,7 @@ class ShardFormat:
         return [raw, struct.pack("<I", crc32c(raw))]
 
     def decode_index(self, raw: np.ndarray) -> np.ndarray:
-        """The ``[chunks, 2]`` ``(offset, nbytes)`` of a shard's last :attr:`index_nbytes` bytes.
+        """The ``[chunks, 2]`` ``(offset, nbytes)`` of a shard's last `index_nbytes` bytes.
 
         Raises:
             ShardIndexError: The bytes have the wrong size or fail their CRC-32C.

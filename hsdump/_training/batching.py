@@ -33,7 +33,7 @@ _WINDOW_BATCHES = 50
 
 
 def pad_collate(batch: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Pad :class:`~hsdump.HiddenStateDataset` items to the longest one and stack them.
+    """Pad `HiddenStateDataset` items to the longest one and stack them.
 
     Returns a dict of ``B``-row tensors, ``T`` being the longest item's length:
 
@@ -90,10 +90,10 @@ class LengthBucketSampler(Sampler[list[int]]):
     epoch.
 
     Pass it as ``DataLoader(dataset, batch_sampler=sampler, collate_fn=pad_collate)`` and call
-    :meth:`set_epoch` before each epoch.
+    `set_epoch` before each epoch.
 
     Args:
-        lengths: Token count of each dataset index: a :class:`~hsdump.HiddenStateDataset` (its
+        lengths: Token count of each dataset index: a `HiddenStateDataset` (its
             ``lengths``, read from ``store.lengths()``) or a sequence of ints.
         batch_size: Samples per batch (a cap when ``max_tokens`` is set too).
         max_tokens: Token budget per batch: samples times the longest sample's length, that is

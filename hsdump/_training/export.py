@@ -4,7 +4,7 @@ An export streams sample by sample: the next sample is read and decoded while a 
 write the previous ones, each file atomically (a temporary file, then a rename). The sample
 order is recorded first, in ``hsdump-export.json``: a rerun skips the files that exist and
 appends the samples committed since. The layouts and conventions are in
-:mod:`hsdump._training.trainers`.
+`hsdump._training.trainers`.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def export_store(
       ``OUT`` (``datasets.load_from_disk``; speculators' ``--data-path``).
 
     Args:
-        path: The store, as for :func:`hsdump.open_store`.
+        path: The store, as for `hsdump.open_store`.
         out: The export directory (created; a rerun resumes it).
         format: Which trainer's files to write.
         sample_ids: Export only these, in this order (default: every committed sample). A rerun
@@ -317,7 +317,7 @@ def _check_same_source(previous: _Manifest, now: _Manifest, out: Path) -> None:
 
 @contextlib.contextmanager
 def _writing(out: Path) -> Iterator[None]:
-    """Create the export directory; turn I/O errors into an :class:`ExportError` naming it."""
+    """Create the export directory; turn I/O errors into an `ExportError` naming it."""
     try:
         out.mkdir(parents=True, exist_ok=True)
         yield

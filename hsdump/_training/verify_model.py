@@ -70,7 +70,7 @@ class LayerVerdict(BaseModel):
 
 
 class ModelVerifyReport(BaseModel):
-    """The result of :func:`verify_against_model`.
+    """The result of `verify_against_model`.
 
     Attributes:
         sample_ids: The samples recomputed.
@@ -108,7 +108,7 @@ def verify_against_model(
     """Recompute ``samples`` random stored samples with the model and judge every stored layer.
 
     Args:
-        store: The store (a path or anything :func:`hsdump.open_store` takes).
+        store: The store (a path or anything `hsdump.open_store` takes).
         model: A local transformers model directory: the model the server ran.
         samples: How many committed samples to recompute (all of them when fewer).
         seed: Seeds the choice of samples.
