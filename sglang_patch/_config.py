@@ -41,6 +41,9 @@ class PluginConfig:
             ~2.5 GB/s, less than one H200 prefills at H=7168.
         profile_s: Log the time the plugin spends per stage every this many seconds
             (``HSDUMP_PROFILE_S``; unset: never).
+        mapped_writes: Fill the dump files through memory maps (``HSDUMP_MAPPED_WRITES``, default
+            1), so that several threads fill one file at once; 0: ``pwrite``, one thread per file
+            at a time, and no page faults or unmaps in the scheduler process.
         switch_interval_s: The scheduler process's GIL switch interval
             (``HSDUMP_SWITCH_INTERVAL_US``, default 500; Python's own is 5000): how long a
             thread holds the GIL while another waits for it.
@@ -56,6 +59,7 @@ class PluginConfig:
     partial_ttl_s: float = 600.0
     write_threads: int = 2
     profile_s: float = 0.0
+    mapped_writes: bool = True
     switch_interval_s: float = 0.0005
 
 
@@ -80,6 +84,7 @@ def load_config() -> PluginConfig:
         partial_ttl_s=float(_number("HSDUMP_PARTIAL_TTL_S", 600)),
         write_threads=_number("HSDUMP_WRITE_THREADS", default_write_threads()),
         profile_s=float(_number("HSDUMP_PROFILE_S", 0, allow_zero=True)),
+        mapped_writes=bool(_number("HSDUMP_MAPPED_WRITES", 1, allow_zero=True)),
         switch_interval_s=_number("HSDUMP_SWITCH_INTERVAL_US", 500) / 1e6,
     )
 

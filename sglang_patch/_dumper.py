@@ -81,9 +81,10 @@ class Dumper:
 
     def describe(self) -> str:
         """How this rank stages, for the start-up log line."""
+        how = "mapped" if self.config.mapped_writes else "pwrite"
         return (
             f"this rank writes, {self.ring.capacity >> 20} MB pinned, "
-            f"{self.config.write_threads} write threads"
+            f"{self.config.write_threads} write threads ({how})"
         )
 
     def close(self) -> None:

@@ -207,7 +207,7 @@ class WriterThread:
                 num_layers=len(self.fmt.layer_ids),
                 hidden_size=self.fmt.hidden_size,
                 dtype=self.fmt.dtype,
-                mapped=True,
+                mapped=self.config.mapped_writes,
             )
         except (OSError, ValueError) as exc:
             reason = f"could not create its dump in {self.config.dump_dir}: {exc}"

@@ -57,12 +57,14 @@ def rows(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, (K + 1) * H, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture
-def dumper(tmp_path: Path):
+@pytest.fixture(params=[True, False], ids=["mapped", "pwrite"])
+def dumper(tmp_path: Path, request: pytest.FixtureRequest):
+    """Dumpers that fill the dump files through memory maps, or with ``pwrite``."""
     made = []
 
     def make(**overrides) -> Dumper:
-        config = PluginConfig(dump_dir=tmp_path, **{"pinned_bytes": 1 << 16, **overrides})
+        defaults = {"pinned_bytes": 1 << 16, "mapped_writes": request.param}
+        config = PluginConfig(dump_dir=tmp_path, **{**defaults, **overrides})
         made.append(Dumper(config, FMT, pin=False))
         return made[-1]
 
@@ -402,9 +404,11 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path: Path) -> None
     monkeypatch.setenv("HSDUMP_PINNED_MB", "64")
     monkeypatch.setenv("HSDUMP_WRITE_THREADS", "3")
     monkeypatch.setenv("HSDUMP_SWITCH_INTERVAL_US", "2000")
+    monkeypatch.setenv("HSDUMP_MAPPED_WRITES", "0")
     config = load_config()
     assert config.layer_ids == (2, 30, 58) and config.pinned_bytes == 64 << 20
     assert config.write_threads == 3 and config.switch_interval_s == 0.002
+    assert not config.mapped_writes
     assert config.dump_dir == tmp_path
 
 
