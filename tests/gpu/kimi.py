@@ -52,9 +52,10 @@ def disk_write_rate(where: Path, gib: int = 4) -> float:
     return gib * (1 << 30) / seconds / 1e9
 
 
-def codec_rate(rows: np.ndarray, threads: int) -> float:
-    """GB/s of the store's codec on ``threads``: Blosc zstd-1, byte shuffle over the 2-byte bf16
-    bits, 1 MiB blocks, on chunks of the store's size cut from ``rows`` (uint16 ``[T, L, H]``).
+def codec_rate(rows: np.ndarray, threads: int) -> tuple[float, float]:
+    """GB/s of the store's codec on ``threads``, and the cores it kept busy: Blosc zstd-1, byte
+    shuffle over the 2-byte bf16 bits, 1 MiB blocks, on chunks of the store's size cut from
+    ``rows`` (uint16 ``[T, L, H]``).
 
     Earlier runs fed Blosc a uint8 view, so it shuffled 1-byte items (a no-op): 1.6x faster than
     what the store runs, and a ratio of 0.78 instead of the store's 0.70.
@@ -72,11 +73,11 @@ def codec_rate(rows: np.ndarray, threads: int) -> float:
     chunks = [np.ascontiguousarray(rows[i : i + ct]) for i in range(0, len(rows), ct)]
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(codec.encode, chunks[:threads]))
-        t0 = time.perf_counter()
+        t0, cpu = time.perf_counter(), time.process_time()
         for _ in range(3):
             list(pool.map(codec.encode, chunks))
-        seconds = time.perf_counter() - t0
-    return 3 * rows.nbytes / seconds / 1e9
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu
+    return 3 * rows.nbytes / seconds / 1e9, cpu / seconds
 
 
 def extract(args: argparse.Namespace, rows: list[dict], where: Path, conc: int) -> dict:
@@ -142,11 +143,12 @@ def _store_part(source: str, dest: str, index: int, workers: int, barrier, resul
     with open_store(source, "r") as src:
         states = [src[sid] for sid in sorted(src)[index::workers]]
     barrier.wait()
-    t0 = time.monotonic()
+    t0, cpu = time.monotonic(), time.process_time()
     with open_store(dest, "a", writer_id=f"w{index}") as store:
         for hs in states:
             store.write(hs)
-    results.put((t0, time.monotonic(), sum(hs.num_tokens for hs in states)))
+    cpu = time.process_time() - cpu
+    results.put((t0, time.monotonic(), sum(hs.num_tokens for hs in states), cpu))
 
 
 _LOADING = ("__getitem__", "ShardIO.read", "_decode", "open_store (")
@@ -171,7 +173,8 @@ def spy_summary(raw: Path, top: int = 25) -> list[str]:
 
 def store_alone(
     source: str, where: Path, workers: int, spy: str = "", out: Path | None = None
-) -> float:
+) -> tuple[float, float]:
+    """The store-alone rate (tok/s) of ``workers`` processes, and the cores they kept busy."""
     dest = where / "kimi-store-alone.zarr"
     shutil.rmtree(dest, ignore_errors=True)
     ctx = multiprocessing.get_context("spawn")
@@ -198,7 +201,7 @@ def store_alone(
         p.join()
     shutil.rmtree(dest, ignore_errors=True)
     start, end = min(g[0] for g in got), max(g[1] for g in got)
-    return sum(g[2] for g in got) / (end - start)
+    return sum(g[2] for g in got) / (end - start), sum(g[3] for g in got) / (end - start)
 
 
 def sweep(args: argparse.Namespace, rows: list[dict], shm: Path, concs, results) -> None:
@@ -283,23 +286,29 @@ def main() -> None:
         first = opened[sorted(opened)[0]]
     bits = torch.cat([first.aux_hidden_states, first.final_hidden_state[:, None]], dim=1)
     sample = bits.contiguous().view(torch.uint16).numpy()
-    codec = codec_rate(np.concatenate([sample] * max(1, (256 << 20) // sample.nbytes)), cores)
-    log(args.out, row="ceiling", what=f"codec GB/s on {cores} threads", value=round(codec, 3))
+    rows_256mb = np.concatenate([sample] * max(1, (256 << 20) // sample.nbytes))
+    codec, codec_busy = codec_rate(rows_256mb, cores)
+    log(
+        args.out, row="ceiling", what=f"codec GB/s on {cores} threads", value=round(codec, 3),
+        cores_busy=round(codec_busy, 1),
+    )  # fmt: skip
     log(args.out, row="ceiling", what="stored fraction", value=round(stored_fraction, 3))
     ceiling_disk = min(disk / stored_fraction, codec) * 1e9 / ROW_BYTES
     ceiling_shm = codec * 1e9 / ROW_BYTES
     for workers in (int(w) for w in args.store_workers.split(",") if w):
-        rate = store_alone(source, shm, workers, args.spy, args.out)
+        rate, busy = store_alone(source, shm, workers, args.spy, args.out)
         log(
             args.out, row="store alone sweep", on="shm", workers=workers, tok_per_s=round(rate),
             ceiling_tok_per_s=round(ceiling_shm), ratio=round(rate / ceiling_shm, 3),
+            cores_busy=round(busy, 1),
         )  # fmt: skip
     for where, label, ceiling in ((args.disk, "disk", ceiling_disk), (shm, "shm", ceiling_shm)):
-        rate = store_alone(source, where, args.workers)
+        rate, busy = store_alone(source, where, args.workers)
         results[f"store-{label}"] = rate
         log(
             args.out, row="store alone", on=label, workers=args.workers,
             tok_per_s=round(rate), ceiling_tok_per_s=round(ceiling), ratio=round(rate / ceiling, 3),
+            cores_busy=round(busy, 1),
         )  # fmt: skip
     shutil.rmtree(source, ignore_errors=True)
     for label in ("disk", "shm"):
