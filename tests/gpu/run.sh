@@ -147,11 +147,13 @@ for stage in $STAGES; do
     kimi_ab) make_kimi  # server alone and dump-only under each plugin setting in $KIMI_AB (;-separated)
            export HSDUMP_DUMP_DIR=/dev/shm/hsdump-kimi
            IFS=';' read -ra variants <<< "${KIMI_AB:-HSDUMP_PROFILE_S=0}"
-           for v in "${variants[@]}"; do
+           for i in "${!variants[@]}"; do
+             v=${variants[$i]}
              echo "--- $v"
              export $v
-             if start_server kimi_ab sglang.launch_server --model-path /tmp/kimi --enable-return-hidden-states; then
+             if start_server kimi_ab$i sglang.launch_server --model-path /tmp/kimi --enable-return-hidden-states; then
                python3 tests/gpu/kimi.py --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" --only-dump ${KIMI_ARGS:-} || status=1
+               grep -h "time per stage" "$OUT/server_kimi_ab$i.log" | tail -2 | cut -c1-300
                stop_server
              else
                status=1
