@@ -84,7 +84,7 @@ def load_config() -> PluginConfig:
         partial_ttl_s=float(_number("HSDUMP_PARTIAL_TTL_S", 600)),
         write_threads=_number("HSDUMP_WRITE_THREADS", default_write_threads()),
         profile_s=float(_number("HSDUMP_PROFILE_S", 0, allow_zero=True)),
-        mapped_writes=bool(_number("HSDUMP_MAPPED_WRITES", 1, allow_zero=True)),
+        mapped_writes=_switch("HSDUMP_MAPPED_WRITES", True),
         switch_interval_s=_number("HSDUMP_SWITCH_INTERVAL_US", 500) / 1e6,
     )
 
@@ -109,6 +109,15 @@ def _layer_ids(text: str) -> tuple[int, ...] | None:
             "(id i is the input of decoder layer i; 0, the embeddings, cannot be captured)"
         )
     return ids
+
+
+def _switch(name: str, default: bool) -> bool:
+    text = os.environ.get(name)
+    if not text:
+        return default
+    if text not in ("0", "1"):
+        raise ValueError(f"{name}={text!r} must be 1 (on) or 0 (off)")
+    return text == "1"
 
 
 def _number(name: str, default: int, *, allow_zero: bool = False) -> int:

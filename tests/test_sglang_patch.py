@@ -422,6 +422,7 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path: Path) -> None
         ("HSDUMP_MAX_PENDING_MB", "-1", "positive"),
         ("HSDUMP_WRITE_THREADS", "0", "positive"),
         ("HSDUMP_SWITCH_INTERVAL_US", "0", "positive"),
+        ("HSDUMP_MAPPED_WRITES", "yes", "must be 1 \\(on\\) or 0 \\(off\\)"),
     ],
 )
 def test_malformed_settings_name_the_variable(monkeypatch, tmp_path, name, value, message) -> None:

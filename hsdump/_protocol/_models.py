@@ -5,14 +5,11 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hsdump._protocol._names import DEFAULT_RID_PREFIX, DType
-
-if TYPE_CHECKING:
-    pass
 
 
 class _Model(BaseModel):

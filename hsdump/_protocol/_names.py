@@ -5,15 +5,11 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from hsdump._exceptions import (
     InvalidRequestId,
 )
-
-if TYPE_CHECKING:
-    pass
-
 
 PROTOCOL_VERSION = 1
 ENV_DUMP_DIR = "HSDUMP_DUMP_DIR"
@@ -30,13 +26,6 @@ ERROR_MARKER = "error"
 
 DType = Literal["bfloat16", "float16", "float32"]
 _RID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,199}")
-# O_NONBLOCK: opening a FIFO put in a file's place must not block (it is then refused).
-_O_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_TRUST_HINT = (
-    "Something other than the producer writes into {root}: make the dump root writable only by "
-    "the server's and the client's users (docs/protocol.md, 'Who may write the dump root')."
-)
 
 
 def default_dump_dir() -> Path:

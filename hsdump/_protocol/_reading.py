@@ -10,7 +10,6 @@ import shutil
 import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -21,9 +20,6 @@ from hsdump._exceptions import (
 )
 from hsdump._protocol._models import DumpErrorInfo, DumpMeta, ProducerManifest
 from hsdump._protocol._names import (
-    _O_DIR,
-    _O_READ,
-    _TRUST_HINT,
     AUX_FILE,
     DONE_MARKER,
     ERROR_MARKER,
@@ -34,8 +30,13 @@ from hsdump._protocol._names import (
     TMP_PREFIX,
 )
 
-if TYPE_CHECKING:
-    pass
+# O_NONBLOCK: opening a FIFO put in a file's place must not block (it is then refused).
+_O_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_O_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_TRUST_HINT = (
+    "Something other than the producer writes into {root}: make the dump root writable only by "
+    "the server's and the client's users (docs/protocol.md, 'Who may write the dump root')."
+)
 
 
 def read_manifests(root: str | os.PathLike[str]) -> list[ProducerManifest]:

@@ -8,7 +8,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hsdump._protocol._dtypes import dtype_itemsize
 from hsdump._protocol._models import DumpErrorInfo, DumpMeta, ProducerInfo, ProducerManifest
@@ -24,9 +24,6 @@ from hsdump._protocol._names import (
     request_dir,
     validate_rid,
 )
-
-if TYPE_CHECKING:
-    pass
 
 
 def _temp_dir(root: Path, rid: str) -> Path:

@@ -18,9 +18,7 @@ __all__ = [
     "BLOCK_ROWS",
     "LayerStats",
     "RowStats",
-    "array_stats",
     "merge_layer_lists",
-    "sample_stats",
 ]
 
 #: Rows per block: float32 row sums stay accurate, and a block's float32 copy (7 MiB at H=7168
@@ -148,23 +146,6 @@ class RowStats:
         out = self._scratch[: block.shape[0]]
         np.left_shift(block, 16, out=out, dtype=np.uint32)  # bf16 bits are float32's top half
         return out.view(np.float32)
-
-
-def array_stats(bits: np.ndarray, dtype: str, layers: list[int | str]) -> list[LayerStats]:
-    """Statistics per layer (axis 1) of stored float bits ``[T, L, H]`` of logical ``dtype``.
-
-    numpy, single-threaded, so it does not fight the codec threads for cores.
-    """
-    acc = RowStats(dtype, layers)
-    acc.add(bits)
-    return acc.result()
-
-
-def sample_stats(
-    aux: np.ndarray, final: np.ndarray, dtype: str, layer_ids: list[int]
-) -> list[LayerStats]:
-    """Statistics of one sample: its aux layers ``[T, K, H]``, then its final state ``[T, H]``."""
-    return array_stats(aux, dtype, list(layer_ids)) + array_stats(final[:, None], dtype, ["final"])
 
 
 def _max_abs(bits: np.ndarray, spec: DtypeSpec) -> np.ndarray:
