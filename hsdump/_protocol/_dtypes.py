@@ -78,14 +78,23 @@ class DtypeSpec:
 
         return torch.from_numpy(bits.view(self.torch_bits)).view(self.torch_dtype())
 
-    def to_float32(self, bits: np.ndarray) -> np.ndarray:
-        """The values of ``bits`` as float32 (a view for float32 itself)."""
+    def to_float32(self, bits: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """The values of ``bits`` as float32 (a view for float32 itself).
+
+        ``out``, a float32 array of ``bits``' shape, receives them instead of fresh memory (a
+        buffer reused block after block saves its page faults); float32 bits are viewed as is.
+        """
         import numpy as np
 
+        if self.name == "float32":
+            return bits.view(np.float32)
+        if out is None:
+            out = np.empty(bits.shape, np.float32)
         if self.name == "bfloat16":  # one ufunc pass (astype then shift made two, 4.8x slower)
-            widened: np.ndarray = np.left_shift(bits, 16, dtype=np.uint32)
-            return widened.view(np.float32)
-        return bits.view(self.torch_name).astype(np.float32, copy=False)
+            np.left_shift(bits, 16, out=out.view(np.uint32), dtype=np.uint32)
+        else:
+            np.copyto(out, bits.view(self.torch_name))
+        return out
 
     def from_float32(self, values: npt.ArrayLike) -> np.ndarray:
         """The bits of float32 ``values`` in this dtype, rounded to nearest even."""

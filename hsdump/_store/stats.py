@@ -139,13 +139,9 @@ class RowStats:
             self._slow = merge_layer_lists(self._slow, _nonfinite_block_stats(values))
 
     def _widen(self, block: np.ndarray) -> np.ndarray:
-        if self._spec.name != "bfloat16":
-            return self._spec.to_float32(block)
         if self._scratch is None or self._scratch.shape[1:] != block.shape[1:]:
-            self._scratch = np.empty((BLOCK_ROWS, *block.shape[1:]), np.uint32)
-        out = self._scratch[: block.shape[0]]
-        np.left_shift(block, 16, out=out, dtype=np.uint32)  # bf16 bits are float32's top half
-        return out.view(np.float32)
+            self._scratch = np.empty((BLOCK_ROWS, *block.shape[1:]), np.float32)
+        return self._spec.to_float32(block, out=self._scratch[: block.shape[0]])
 
 
 def _max_abs(bits: np.ndarray, spec: DtypeSpec) -> np.ndarray:
