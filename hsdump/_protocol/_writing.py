@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
@@ -46,6 +47,9 @@ class _MappedFile:
 
     def __init__(self, fd: int, size: int):
         self.map = mmap.mmap(fd, size)
+        # 2 MB pages where the tmpfs allows them on request (huge=advise); elsewhere a no-op.
+        with contextlib.suppress(OSError):
+            self.map.madvise(mmap.MADV_HUGEPAGE)
         self._view: Any = (ctypes.c_char * size).from_buffer(self.map)
         self.address = ctypes.addressof(self._view)
 

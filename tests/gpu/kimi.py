@@ -224,6 +224,7 @@ def main() -> None:
     p.add_argument("--dump-dir", required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--disk", type=Path, default=Path("/tmp/kimi-disk"))
+    p.add_argument("--shm", type=Path, default=Path("/dev/shm/kimi-store"), help="the memory store")
     p.add_argument("--prompts", type=int, default=96)
     p.add_argument("--workers", type=int, default=0, help="0: hsdump's default")
     p.add_argument("--concs", default="1,8,32")
@@ -235,7 +236,7 @@ def main() -> None:
     args = p.parse_args()
     concs = [int(c) for c in args.concs.split(",")]
     args.disk.mkdir(parents=True, exist_ok=True)
-    shm = Path("/dev/shm/kimi-store")
+    shm = args.shm
     shm.mkdir(parents=True, exist_ok=True)
     if not args.workers:
         from hsdump._cli import default_workers

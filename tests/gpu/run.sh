@@ -17,6 +17,8 @@
 #                server alone, dump-only, store alone and hsdump extract at 1/8/32 in flight
 #   kimi_ab      the kimi server once per plugin setting in $KIMI_AB (e.g. "HSDUMP_WRITE_THREADS=4;
 #                HSDUMP_SWITCH_INTERVAL_US=5000"): server-alone and dump-only rows only
+#                (kimi, kimi_ab: KIMI_HUGE=1 puts the dumps and the memory store on a tmpfs mounted
+#                with huge=within_size at /mnt/hsdump-huge instead of /dev/shm; needs root)
 #   two_servers  two such servers on one GPU (--mem-fraction-static 0.3 each): hsdump extract into
 #                each alone, then into both with --servers (tests/gpu/two_servers.py)
 set -u -o pipefail
@@ -51,6 +53,16 @@ start_server() {  # name, launcher module, extra args...
   echo "server $name up after $((SECONDS - t0)) s"
   grep -h "hsdump" "$OUT/server_$name.log" | head -5
   return 0
+}
+
+memory_root() {  # /dev/shm, or with KIMI_HUGE=1 a tmpfs with huge pages (mounted here, as root)
+  if [ "${KIMI_HUGE:-0}" = 1 ]; then
+    mkdir -p /mnt/hsdump-huge
+    mountpoint -q /mnt/hsdump-huge || mount -t tmpfs -o huge=within_size,size=100g tmpfs /mnt/hsdump-huge || exit 1
+    echo /mnt/hsdump-huge
+  else
+    echo /dev/shm
+  fi
 }
 
 stop_server() {
@@ -138,14 +150,15 @@ for stage in $STAGES; do
            python3 tests/gpu/bench.py --server plugin-graphs --mode dump --url $URL --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" || status=1
            stop_server; unset HSDUMP_DUMP_DIR ;;
     kimi) make_kimi
-           export HSDUMP_DUMP_DIR=/dev/shm/hsdump-kimi
+           MEM=$(memory_root)
+           export HSDUMP_DUMP_DIR=$MEM/hsdump-kimi
            start_server kimi sglang.launch_server --model-path /tmp/kimi --enable-return-hidden-states || { status=1; continue; }
-           python3 tests/gpu/kimi.py --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" ${KIMI_ARGS:-} || status=1
+           python3 tests/gpu/kimi.py --dump-dir $HSDUMP_DUMP_DIR --shm $MEM/kimi-store --out "$OUT" ${KIMI_ARGS:-} || status=1
            grep -hE "Traceback|hsdump.*(fail|error)" "$OUT/server_kimi.log" | head -10
            grep -h "hsdump" "$OUT/server_kimi.log" | tail -12
            stop_server; unset HSDUMP_DUMP_DIR ;;
     kimi_ab) make_kimi  # server alone and dump-only under each plugin setting in $KIMI_AB (;-separated)
-           export HSDUMP_DUMP_DIR=/dev/shm/hsdump-kimi
+           export HSDUMP_DUMP_DIR=$(memory_root)/hsdump-kimi
            IFS=';' read -ra variants <<< "${KIMI_AB:-HSDUMP_PROFILE_S=0}"
            for i in "${!variants[@]}"; do
              v=${variants[$i]}
