@@ -232,7 +232,7 @@ def main() -> None:
     p.add_argument("--sweep-workers", default="", help="e.g. 2,4,8: more extract rows on /dev/shm")
     p.add_argument("--sweep-concs", default="8", help="in flight for the --sweep-workers rows")
     p.add_argument("--only-dump", action="store_true", help="server-alone and dump-only rows only")
-    p.add_argument("--store-workers", default="", help="e.g. 1,2,4,8: store-alone rows on /dev/shm")
+    p.add_argument("--store-workers", default="", help="e.g. 1,2,4,8: store-alone rows in memory")
     args = p.parse_args()
     concs = [int(c) for c in args.concs.split(",")]
     args.disk.mkdir(parents=True, exist_ok=True)

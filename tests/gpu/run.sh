@@ -55,14 +55,12 @@ start_server() {  # name, launcher module, extra args...
   return 0
 }
 
-memory_root() {  # /dev/shm, or with KIMI_HUGE=1 a tmpfs with huge pages (mounted here, as root)
-  if [ "${KIMI_HUGE:-0}" = 1 ]; then
-    mkdir -p /mnt/hsdump-huge
-    mountpoint -q /mnt/hsdump-huge || mount -t tmpfs -o huge=within_size,size=100g tmpfs /mnt/hsdump-huge || exit 1
-    echo /mnt/hsdump-huge
-  else
-    echo /dev/shm
-  fi
+memory_root() {  # sets MEM: /dev/shm, or with KIMI_HUGE=1 a tmpfs with huge pages (mounted here, as root)
+  MEM=/dev/shm
+  [ "${KIMI_HUGE:-0}" = 1 ] || return 0
+  MEM=/mnt/hsdump-huge
+  mkdir -p $MEM && { mountpoint -q $MEM || mount -t tmpfs -o huge=within_size,size=100g tmpfs $MEM; } \
+    || { echo "could not mount a tmpfs with huge pages at $MEM (needs root)"; return 1; }
 }
 
 stop_server() {
@@ -150,7 +148,7 @@ for stage in $STAGES; do
            python3 tests/gpu/bench.py --server plugin-graphs --mode dump --url $URL --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" || status=1
            stop_server; unset HSDUMP_DUMP_DIR ;;
     kimi) make_kimi
-           MEM=$(memory_root)
+           memory_root || { status=1; continue; }
            export HSDUMP_DUMP_DIR=$MEM/hsdump-kimi
            start_server kimi sglang.launch_server --model-path /tmp/kimi --enable-return-hidden-states || { status=1; continue; }
            python3 tests/gpu/kimi.py --dump-dir $HSDUMP_DUMP_DIR --shm $MEM/kimi-store --out "$OUT" ${KIMI_ARGS:-} || status=1
@@ -158,7 +156,8 @@ for stage in $STAGES; do
            grep -h "hsdump" "$OUT/server_kimi.log" | tail -12
            stop_server; unset HSDUMP_DUMP_DIR ;;
     kimi_ab) make_kimi  # server alone and dump-only under each plugin setting in $KIMI_AB (;-separated)
-           export HSDUMP_DUMP_DIR=$(memory_root)/hsdump-kimi
+           memory_root || { status=1; continue; }
+           export HSDUMP_DUMP_DIR=$MEM/hsdump-kimi
            IFS=';' read -ra variants <<< "${KIMI_AB:-HSDUMP_PROFILE_S=0}"
            for i in "${!variants[@]}"; do
              v=${variants[$i]}
