@@ -17,11 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-import zlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from zlib_ng.zlib_ng import crc32
 
 from hsdump._exceptions import StoreCorruptedError
 
@@ -32,6 +33,7 @@ __all__ = [
     "COMMITTED_SAMPLES_KEY",
     "COMMITTED_TOKENS_KEY",
     "STATE_CRC_KEY",
+    "crc32",
     "committed_counts",
     "damaged",
     "extend_index_checksum",
@@ -75,7 +77,7 @@ def open_array(group: Any, key: str, where: str) -> Any:
 def state_crc(state: Any) -> int:
     """CRC-32 of a part state's canonical JSON (the same before and after a JSON round trip)."""
     text = json.dumps(state, sort_keys=True, separators=(",", ":"))
-    return zlib.crc32(text.encode())
+    return crc32(text.encode())
 
 
 def state_attributes(state_key: str, state: dict[str, Any]) -> dict[str, Any]:
@@ -103,9 +105,9 @@ def extend_index_checksum(
     # split into commits, and json.dumps encodes a whole list in C.
     ids = json.dumps(list(sample_ids), separators=(",", ":"))[1:-1] + "," if sample_ids else ""
     return IndexChecksum(
-        rows=zlib.crc32(np.ascontiguousarray(rows, "<i8").data, start.rows),
-        sample_ids=zlib.crc32(ids.encode(), start.sample_ids),
-        tokens=zlib.crc32(np.ascontiguousarray(tokens, "<u8").data, start.tokens),
+        rows=crc32(np.ascontiguousarray(rows, "<i8").data, start.rows),
+        sample_ids=crc32(ids.encode(), start.sample_ids),
+        tokens=crc32(np.ascontiguousarray(tokens, "<u8").data, start.tokens),
     )
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +11,7 @@ from pydantic import BaseModel, ConfigDict
 from hsdump._exceptions import StoreCorruptedError, StoreError
 from hsdump._store.backend import os_error
 from hsdump._store.codecs import bits_dtype, bits_to_tensor
-from hsdump._store.integrity import damaged
+from hsdump._store.integrity import crc32, damaged
 from hsdump._store.objstore import dependency_error
 from hsdump._store.shardio import DAMAGED
 from hsdump._store.zarr_adapter import UnsupportedArrayError
@@ -194,9 +193,9 @@ def _for_sample(error: StoreError, sid: str) -> StoreError:
 def _mismatch(raw: tuple[np.ndarray, np.ndarray, np.ndarray | None], expected: int) -> str | None:
     """How the checksum of a row's bits, ids and mask differs from ``expected``, or None."""
     bits, ids, mask = raw
-    crc = zlib.crc32(ids.data, zlib.crc32(np.ascontiguousarray(bits).data))
+    crc = crc32(ids.data, crc32(np.ascontiguousarray(bits).data))
     if mask is not None:
-        crc = zlib.crc32(mask.data, crc)
+        crc = crc32(mask.data, crc)
     return None if crc == expected else f"checksum {crc:#010x} != committed {expected:#010x}"
 
 

@@ -10,13 +10,13 @@ next one. A shard is encoded only once every job placing rows in it is done
 
 from __future__ import annotations
 
-import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from hsdump._store.integrity import crc32
 from hsdump._store.stats import BLOCK_ROWS, LayerStats, RowStats
 
 __all__ = ["Piece", "Placed", "ShardBuffer", "place_sample"]
@@ -78,7 +78,7 @@ def place_sample(
 
     One pass in blocks of `BLOCK_ROWS` rows: each block is copied,
     then checksummed and accounted in ``stats`` while it is in cache (three passes over memory
-    were the store's largest cost after the codec). The checksum is the CRC-32 of the stored
+    were the store's largest cost after the codec). The checksum is the CRC-32 (zlib's) of the stored
     rows in order, then the token ids, then the mask if any.
     """
     k, crc = aux.shape[1], 0
@@ -89,9 +89,9 @@ def place_sample(
             src = slice(p.pos + lo, p.pos + lo + n)
             rows[:, :k] = aux[src]
             rows[:, k] = final[src]
-            crc = zlib.crc32(rows.data, crc)
+            crc = crc32(rows.data, crc)
             stats.add(rows)
-    crc = zlib.crc32(ids.data, crc)
+    crc = crc32(ids.data, crc)
     if mask is not None:
-        crc = zlib.crc32(mask.data, crc)
+        crc = crc32(mask.data, crc)
     return Placed(crc, stats.result())

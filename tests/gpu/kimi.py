@@ -132,23 +132,52 @@ def print_spy(args: argparse.Namespace, spy: subprocess.Popen[bytes] | None, tag
         print("\n".join(spy_summary(raw, top=18)), flush=True)
 
 
+def _random_states(n: int, seed: int) -> list:
+    """``n`` random 2048-token samples of the row's shape, made on the GPU."""
+    from hsdump import HiddenStates
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return [
+        HiddenStates(
+            sample_id=f"r{seed}-{i}",
+            input_ids=torch.arange(TOKENS),
+            aux_hidden_states=(torch.randn(TOKENS, 3, 7168, generator=g, device="cuda") * 0.6)
+            .to(torch.bfloat16)
+            .cpu(),
+            final_hidden_state=(torch.randn(TOKENS, 7168, generator=g, device="cuda") * 0.3)
+            .to(torch.bfloat16)
+            .cpu(),
+            layer_ids=[2, 4, 5],
+        )
+        for i in range(n)
+    ]
+
+
 def _store_part(source: str, dest: str, index: int, workers: int, barrier, results) -> None:
     """One writer of the store-alone row: load its share (untimed), then write it (timed).
 
     Each process sizes its pools by its share of the cores, as a worker of `hsdump extract` does.
+    ``source`` "random:N" writes N random samples instead of a store's.
     """
+    import resource
+
     os.environ["HSDUMP_CORES"] = str(max(1, (os.cpu_count() or 1) // workers))
     from hsdump import open_store
 
-    with open_store(source, "r") as src:
-        states = [src[sid] for sid in sorted(src)[index::workers]]
+    if source.startswith("random:"):
+        states = _random_states(int(source.split(":")[1]) // workers, seed=index)
+    else:
+        with open_store(source, "r") as src:
+            states = [src[sid] for sid in sorted(src)[index::workers]]
     barrier.wait()
-    t0, cpu = time.monotonic(), time.process_time()
+    t0, r0 = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
     with open_store(dest, "a", writer_id=f"w{index}") as store:
         for hs in states:
             store.write(hs)
-    cpu = time.process_time() - cpu
-    results.put((t0, time.monotonic(), sum(hs.num_tokens for hs in states), cpu))
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    results.put((t0, time.monotonic(), sum(hs.num_tokens for hs in states),
+                 r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime,
+                 r1.ru_minflt - r0.ru_minflt))  # fmt: skip
 
 
 _LOADING = ("__getitem__", "ShardIO.read", "_decode", "open_store (")
@@ -172,9 +201,16 @@ def spy_summary(raw: Path, top: int = 25) -> list[str]:
 
 
 def store_alone(
-    source: str, where: Path, workers: int, spy: str = "", out: Path | None = None
+    source: str,
+    where: Path,
+    workers: int,
+    spy: str = "",
+    out: Path | None = None,
+    detail: dict | None = None,
 ) -> tuple[float, float]:
-    """The store-alone rate (tok/s) of ``workers`` processes, and the cores they kept busy."""
+    """The store-alone rate (tok/s) of ``workers`` processes, and the cores they kept busy;
+    ``detail`` receives their user and system core-seconds and minor faults per GB."""
+    detail = {} if detail is None else detail
     dest = where / "kimi-store-alone.zarr"
     shutil.rmtree(dest, ignore_errors=True)
     ctx = multiprocessing.get_context("spawn")
@@ -201,7 +237,45 @@ def store_alone(
         p.join()
     shutil.rmtree(dest, ignore_errors=True)
     start, end = min(g[0] for g in got), max(g[1] for g in got)
-    return sum(g[2] for g in got) / (end - start), sum(g[3] for g in got) / (end - start)
+    gb = sum(g[2] for g in got) * ROW_BYTES / 1e9
+    detail.update(
+        user_core_s_per_gb=round(sum(g[3] for g in got) / gb, 2),
+        sys_core_s_per_gb=round(sum(g[4] for g in got) / gb, 2),
+        minor_faults_per_gb=round(sum(g[5] for g in got) / gb),
+    )
+    return sum(g[2] for g in got) / (end - start), sum(g[3] + g[4] for g in got) / (end - start)
+
+
+def _server_pids() -> list[int]:
+    found = subprocess.run(["pgrep", "-f", "sglang"], capture_output=True, text=True)
+    return [int(p) for p in found.stdout.split() if int(p) != os.getpid()]
+
+
+def store_diag(args: argparse.Namespace, rows: list[dict], shm: Path) -> None:
+    """Store-alone rows in memory on the run's states and on random ones of the same shape,
+    with the server up and with its processes stopped (SIGSTOP): what the store-alone row's cost
+    per GB depends on."""
+    import signal
+
+    got = extract(args, rows, args.disk, 8)
+    source = got["store"]
+    for server in ("up", "stopped"):
+        pids = _server_pids() if server == "stopped" else []
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            for states in (source, f"random:{args.prompts}"):
+                detail: dict = {}
+                rate, busy = store_alone(states, shm, args.workers, detail=detail)
+                log(
+                    args.out, row="store alone diag", server=server,
+                    states="run" if states == source else "random", workers=args.workers,
+                    tok_per_s=round(rate), cores_busy=round(busy, 1), **detail,
+                )  # fmt: skip
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+    shutil.rmtree(source, ignore_errors=True)
 
 
 def sweep(args: argparse.Namespace, rows: list[dict], shm: Path, concs, results) -> None:
@@ -232,6 +306,9 @@ def main() -> None:
     p.add_argument("--sweep-workers", default="", help="e.g. 2,4,8: more extract rows on /dev/shm")
     p.add_argument("--sweep-concs", default="8", help="in flight for the --sweep-workers rows")
     p.add_argument("--only-dump", action="store_true", help="server-alone and dump-only rows only")
+    p.add_argument("--store-diag", action="store_true",
+                   help="after the dump-only rows: store alone in memory on the run's and on "
+                   "random states, server up and stopped")  # fmt: skip
     p.add_argument("--store-workers", default="", help="e.g. 1,2,4,8: store-alone rows in memory")
     args = p.parse_args()
     concs = [int(c) for c in args.concs.split(",")]
@@ -266,6 +343,9 @@ def main() -> None:
             ratio=round(tokens / seconds / results[f"server-{conc}"], 3),
         )  # fmt: skip
     if args.only_dump:
+        return
+    if args.store_diag:
+        store_diag(args, rows, shm)
         return
     source = None
     for where, label in ((args.disk, "disk"), (shm, "shm")):
@@ -304,12 +384,13 @@ def main() -> None:
             cores_busy=round(busy, 1),
         )  # fmt: skip
     for where, label, ceiling in ((args.disk, "disk", ceiling_disk), (shm, "shm", ceiling_shm)):
-        rate, busy = store_alone(source, where, args.workers)
+        detail: dict = {}
+        rate, busy = store_alone(source, where, args.workers, detail=detail)
         results[f"store-{label}"] = rate
         log(
             args.out, row="store alone", on=label, workers=args.workers,
             tok_per_s=round(rate), ceiling_tok_per_s=round(ceiling), ratio=round(rate / ceiling, 3),
-            cores_busy=round(busy, 1),
+            cores_busy=round(busy, 1), **detail,
         )  # fmt: skip
     shutil.rmtree(source, ignore_errors=True)
     for label in ("disk", "shm"):
