@@ -93,6 +93,19 @@ def test_bf16_round_trip_is_bit_exact_with_nan_inf_negative_zero_and_subnormals(
         _assert_same(store["x"], sample)
 
 
+def test_strided_views_are_stored_as_their_values_and_verify(tmp_path: Path) -> None:
+    # Views with a step in every axis: the store places them without a contiguous copy.
+    full = torch.randn(2 * 70, 2 * 4, 2 * 9, generator=torch.Generator().manual_seed(3))
+    hidden = full.to(torch.bfloat16)[::2, ::2, ::2]
+    want = HiddenStates("v", torch.arange(70), hidden[:, :3], hidden[:, 3], [1, 2, 3])
+    assert not want.aux_hidden_states.is_contiguous()
+    with open_store(str(tmp_path / "s.zarr"), "a", shard_tokens=32, chunk_tokens=8) as store:
+        store.write(want)
+    with open_store(str(tmp_path / "s.zarr"), "r") as store:
+        _assert_same(store["v"], want)
+        assert store.verify().clean
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_other_float_dtypes_round_trip_bit_exact(dtype: torch.dtype) -> None:
     want = make_sample(3)

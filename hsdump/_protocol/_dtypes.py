@@ -63,11 +63,13 @@ class DtypeSpec:
         dtype: torch.dtype = getattr(torch, self.torch_name)
         return dtype
 
-    def bits_of(self, tensor: torch.Tensor) -> np.ndarray:
-        """A CPU numpy view of ``tensor``'s bits (a copy only off the CPU or when strided)."""
+    def bits_of(self, tensor: torch.Tensor, *, strided: bool = False) -> np.ndarray:
+        """A CPU numpy view of ``tensor``'s bits (a copy only off the CPU, or when strided unless
+        ``strided`` allows a strided view)."""
         import torch
 
-        t = tensor.detach().to("cpu").contiguous()
+        t = tensor.detach().to("cpu")
+        t = t if strided else t.contiguous()
         if t.dtype != self.torch_dtype():
             raise DtypeMismatch(f"a {t.dtype} tensor is not {self.name}: cast it first")
         return t.view(getattr(torch, self.torch_bits)).numpy().view(self.bits)
