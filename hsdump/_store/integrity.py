@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-
 from zlib_ng.zlib_ng import crc32
 
 from hsdump._exceptions import StoreCorruptedError
@@ -33,8 +32,8 @@ __all__ = [
     "COMMITTED_SAMPLES_KEY",
     "COMMITTED_TOKENS_KEY",
     "STATE_CRC_KEY",
-    "crc32",
     "committed_counts",
+    "crc32",
     "damaged",
     "extend_index_checksum",
     "open_array",

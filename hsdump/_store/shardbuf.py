@@ -78,7 +78,7 @@ def place_sample(
 
     One pass in blocks of `BLOCK_ROWS` rows: each block is copied,
     then checksummed and accounted in ``stats`` while it is in cache (three passes over memory
-    were the store's largest cost after the codec). The checksum is the CRC-32 (zlib's) of the stored
+    were the store's largest cost after the codec). The checksum is zlib's CRC-32 of the stored
     rows in order, then the token ids, then the mask if any.
     """
     k, crc = aux.shape[1], 0

@@ -251,6 +251,25 @@ def _server_pids() -> list[int]:
     return [int(p) for p in found.stdout.split() if int(p) != os.getpid()]
 
 
+def server_cpu_s() -> float:
+    """CPU seconds (user + system) the server's processes have used so far."""
+    total = 0
+    for pid in _server_pids():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (after pid and comm)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def idle_server_cores(seconds: float = 5.0) -> float:
+    """Cores the server keeps busy while no request is in flight."""
+    cpu, t0 = server_cpu_s(), time.monotonic()
+    time.sleep(seconds)
+    return (server_cpu_s() - cpu) / (time.monotonic() - t0)
+
+
 def store_diag(args: argparse.Namespace, rows: list[dict], shm: Path) -> None:
     """Store-alone rows in memory on the run's states and on random ones of the same shape,
     with the server up and with its processes stopped (SIGSTOP): what the store-alone row's cost
@@ -327,20 +346,27 @@ def main() -> None:
     disk = 0.0 if args.only_dump else disk_write_rate(args.disk)
     if disk:
         log(args.out, row="ceiling", what="disk write GB/s", value=round(disk, 3))
+    log(args.out, row="server idle", cores_busy=round(idle_server_cores(), 2))
     for conc in concs:
         spy = record_server(args, f"server-{conc}") if args.spy else None
+        cpu = server_cpu_s()
         seconds = asyncio.run(plain(args.url, rows, conc))
+        busy = (server_cpu_s() - cpu) / seconds
         print_spy(args, spy, f"server-{conc}")
         results[f"server-{conc}"] = tokens / seconds
-        log(args.out, row="server alone", conc=conc, tok_per_s=round(tokens / seconds))
+        log(args.out, row="server alone", conc=conc, tok_per_s=round(tokens / seconds),
+            server_cores_busy=round(busy, 2))  # fmt: skip
     for conc in concs:
         spy = record_server(args, f"dump-{conc}") if args.spy else None
+        cpu = server_cpu_s()
         seconds = asyncio.run(plain(args.url, rows, conc, args.dump_dir))
+        busy = (server_cpu_s() - cpu) / seconds
         print_spy(args, spy, f"dump-{conc}")
         results[f"dump-{conc}"] = tokens / seconds
         log(
             args.out, row="dump-only", conc=conc, tok_per_s=round(tokens / seconds),
             ratio=round(tokens / seconds / results[f"server-{conc}"], 3),
+            server_cores_busy=round(busy, 2),
         )  # fmt: skip
     if args.only_dump:
         return

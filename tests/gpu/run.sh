@@ -1,7 +1,7 @@
 #!/bin/bash
 # GPU validation of sglang_patch on real SGLang 0.5.17 (one H200), from the repository root:
 #   bash tests/gpu/run.sh [tiny_a] [tiny_b] [bench] [bench_plain]      (default: all four)
-# Needs .gpu/ (a copy of the SGLang bundle folder) and .whl/ (zarr, numcodecs, inotify_simple, donfig,
+# Needs .gpu/ (a copy of the SGLang bundle folder) and .whl/ (zarr, numcodecs, inotify_simple, donfig, zlib-ng,
 # google-crc32c, pydantic-settings, python-dotenv wheels for Python 3.12). Writes logs and JSON results to $OUT.
 #   tiny_a       tiny random Llama, CUDA graphs off, radix cache off, chunked prefill 256,
 #                HSDUMP_LAYER_IDS=1,4,7, started through `python -m sglang_patch.launch_server`
