@@ -26,14 +26,35 @@ def emit(**row: object) -> None:
     print(json.dumps(row), flush=True)
 
 
-def samples(n: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    g = torch.Generator(device="cuda").manual_seed(0)
+def samples(
+    n: int, seed: int = 0, scale: tuple[float, float] = (1.0, 1.0)
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``n`` random samples' aux and final bits, made on the GPU (std ``scale`` each)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
     out = []
     for _ in range(n):
-        aux = torch.randn(T, K, H, generator=g, device="cuda").to(torch.bfloat16).cpu()
-        final = torch.randn(T, H, generator=g, device="cuda").to(torch.bfloat16).cpu()
+        aux = torch.randn(T, K, H, generator=g, device="cuda") * scale[0]
+        final = torch.randn(T, H, generator=g, device="cuda") * scale[1]
+        aux, final = aux.to(torch.bfloat16).cpu(), final.to(torch.bfloat16).cpu()
         out.append((aux.view(torch.uint16).numpy(), final.view(torch.uint16).numpy()))
     return out
+
+
+def as_states(data: list[tuple[np.ndarray, np.ndarray]], prefix: str = "s") -> list:
+    """The samples' bits as bf16 `HiddenStates` (sample ids ``<prefix><i>``), without copying."""
+    from hsdump import HiddenStates
+
+    bf16 = torch.bfloat16
+    return [
+        HiddenStates(
+            sample_id=f"{prefix}{i}",
+            input_ids=torch.arange(T),
+            aux_hidden_states=torch.from_numpy(a).view(bf16),
+            final_hidden_state=torch.from_numpy(f).view(bf16),
+            layer_ids=[2, 4, 5],
+        )
+        for i, (a, f) in enumerate(data)
+    ]
 
 
 def per_byte(data: list[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -85,20 +106,9 @@ def store_run(writers: int, cores: int, n: int) -> None:
     os.environ["HSDUMP_CORES"] = str(cores)
     os.environ["HSDUMP_SHARD_WRITERS"] = str(writers)
 
-    from hsdump import HiddenStates, open_store
+    from hsdump import open_store
 
-    data = samples(n)
-    bf16 = torch.bfloat16
-    states = [
-        HiddenStates(
-            sample_id=f"s{i}",
-            input_ids=torch.arange(T),
-            aux_hidden_states=torch.from_numpy(a).view(bf16),
-            final_hidden_state=torch.from_numpy(f).view(bf16),
-            layer_ids=[2, 4, 5],
-        )
-        for i, (a, f) in enumerate(data)
-    ]
+    states = as_states(samples(n))
     dest = "/dev/shm/store-probe.zarr"
     shutil.rmtree(dest, ignore_errors=True)
     wall, cpu = time.perf_counter(), time.process_time()

@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import torch
+import store_probe
 
-T, H, K = 2048, 7168, 3
+T, H, K = store_probe.T, store_probe.H, store_probe.K
 
 
 def emit(**row: object) -> None:
@@ -46,13 +46,7 @@ def topology() -> None:
 
 
 def samples(n: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    out = []
-    for _ in range(n):
-        aux = (torch.randn(T, K, H, generator=g, device="cuda") * 0.6).to(torch.bfloat16).cpu()
-        final = (torch.randn(T, H, generator=g, device="cuda") * 0.3).to(torch.bfloat16).cpu()
-        out.append((aux.view(torch.uint16).numpy(), final.view(torch.uint16).numpy()))
-    return out
+    return store_probe.samples(n, seed, scale=(0.6, 0.3))
 
 
 def codec_sweep(data: list[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -79,19 +73,9 @@ def codec_sweep(data: list[tuple[np.ndarray, np.ndarray]]) -> None:
 
 def writer(dest: str, index: int, procs: int, n: int, barrier, results) -> None:
     os.environ["HSDUMP_CORES"] = str(max(1, (os.cpu_count() or 1) // procs))
-    from hsdump import HiddenStates, open_store
+    from hsdump import open_store
 
-    bf16 = torch.bfloat16
-    states = [
-        HiddenStates(
-            sample_id=f"p{index}s{i}",
-            input_ids=torch.arange(T),
-            aux_hidden_states=torch.from_numpy(a).view(bf16),
-            final_hidden_state=torch.from_numpy(f).view(bf16),
-            layer_ids=[2, 4, 5],
-        )
-        for i, (a, f) in enumerate(samples(n, seed=index))
-    ]
+    states = store_probe.as_states(samples(n, seed=index), prefix=f"p{index}s")
     barrier.wait()
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
     with open_store(dest, "a", writer_id=f"w{index}") as store:
