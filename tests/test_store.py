@@ -337,6 +337,18 @@ def test_stats_match_numpy_including_non_finite_values() -> None:
     assert [s.layer for s in stats] == [2, 5, 7, "final"]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_max_abs_is_the_largest_magnitude_whichever_its_sign(dtype: torch.dtype) -> None:
+    aux = torch.tensor([[-1.0, 2.0, 0.5], [3.0, -5.0, 0.25]]).repeat(4, 1, 1).transpose(1, 2)
+    final = torch.tensor([[-0.5, -2.0], [-0.75, -1.5]]).repeat(2, 1)
+    hs = HiddenStates("m", torch.arange(4), aux.to(dtype), final.to(dtype), [1, 2, 3])
+    with open_store(MemoryStore(), "a") as store:
+        store.write(hs)
+    # Layer 1: the peak is positive beside negatives; layer 2: negative beside positives;
+    # layer 3: all positive; final: all negative.
+    assert [s.max_abs for s in store.stats()] == [3.0, 5.0, 0.5, 2.0]
+
+
 def test_counters_report_raw_stored_bytes_and_tokens(tmp_path: Path) -> None:
     samples = [make_sample(i) for i in range(8)]
     with open_store(tmp_path / "s.zarr", "a") as store:

@@ -333,8 +333,8 @@ def _scan_block(block: np.ndarray, dtype: str) -> tuple[int | None, int | None]:
     """First row with a non-finite value, and first row with an all-zero vector, in ``block``."""
     spec = dtype_spec(dtype)
     # Without the sign bit, a float's bits order like its magnitude, and its exponent is all
-    # ones (Inf/NaN) exactly when they reach the mask: one max per vector finds both.
-    peak = np.bitwise_and(block, spec.magnitude_mask).max(axis=-1)
+    # ones (Inf/NaN) exactly when they reach the mask: one peak per vector finds both.
+    peak = spec.peak_magnitude(block, axis=-1)
     if peak.size and peak.max() < spec.exponent_mask and peak.min() > 0:
         return None, None  # the usual case, settled on the small array of peaks
     nonfinite, nonzero = peak >= spec.exponent_mask, peak > 0  # -0.0 counts as zero

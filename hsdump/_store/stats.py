@@ -151,7 +151,7 @@ def _max_abs(bits: np.ndarray, spec: DtypeSpec) -> np.ndarray:
     if not bits.shape[0]:
         return np.zeros(bits.shape[1])
     # Without the sign bit, float bits order like magnitudes: max the bits, not the floats.
-    peak = np.ascontiguousarray(np.bitwise_and(bits, spec.magnitude_mask).max(axis=(0, 2)))
+    peak = np.ascontiguousarray(spec.peak_magnitude(bits, axis=(0, 2)))
     return spec.to_float32(peak)
 
 
