@@ -48,10 +48,10 @@ def bits_dtype(logical: str) -> np.dtype[Any]:
     return dtype_spec(logical).bits_dtype
 
 
-def tensor_to_bits(tensor: torch.Tensor, *, strided: bool = False) -> np.ndarray:
-    """A CPU numpy view of ``tensor``'s bits: contiguous (a copy only off-device or if strided),
-    or with ``strided`` the tensor's own strides (a copy only off-device)."""
-    return dtype_of_torch(tensor.dtype).bits_of(tensor, strided=strided)
+def tensor_to_bits(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU numpy view of ``tensor``'s bits with the tensor's own strides (a copy only
+    off-device): the store places strided rows as they are."""
+    return dtype_of_torch(tensor.dtype).bits_of(tensor, strided=True)
 
 
 def bits_to_tensor(bits: np.ndarray, logical: str) -> torch.Tensor:

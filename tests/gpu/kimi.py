@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+import store_probe
 from bench import dataset, plain
 
 TOKENS, ROW_BYTES = 2048, 4 * 7168 * 2
@@ -132,27 +133,6 @@ def print_spy(args: argparse.Namespace, spy: subprocess.Popen[bytes] | None, tag
         print("\n".join(spy_summary(raw, top=18)), flush=True)
 
 
-def _random_states(n: int, seed: int) -> list:
-    """``n`` random 2048-token samples of the row's shape, made on the GPU."""
-    from hsdump import HiddenStates
-
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return [
-        HiddenStates(
-            sample_id=f"r{seed}-{i}",
-            input_ids=torch.arange(TOKENS),
-            aux_hidden_states=(torch.randn(TOKENS, 3, 7168, generator=g, device="cuda") * 0.6)
-            .to(torch.bfloat16)
-            .cpu(),
-            final_hidden_state=(torch.randn(TOKENS, 7168, generator=g, device="cuda") * 0.3)
-            .to(torch.bfloat16)
-            .cpu(),
-            layer_ids=[2, 4, 5],
-        )
-        for i in range(n)
-    ]
-
-
 def _store_part(source: str, dest: str, index: int, workers: int, barrier, results) -> None:
     """One writer of the store-alone row: load its share (untimed), then write it (timed).
 
@@ -165,7 +145,8 @@ def _store_part(source: str, dest: str, index: int, workers: int, barrier, resul
     from hsdump import open_store
 
     if source.startswith("random:"):
-        states = _random_states(int(source.split(":")[1]) // workers, seed=index)
+        data = store_probe.samples(int(source.split(":")[1]) // workers, index, scale=(0.6, 0.3))
+        states = store_probe.as_states(data, prefix=f"r{index}-")
     else:
         with open_store(source, "r") as src:
             states = [src[sid] for sid in sorted(src)[index::workers]]
@@ -201,16 +182,10 @@ def spy_summary(raw: Path, top: int = 25) -> list[str]:
 
 
 def store_alone(
-    source: str,
-    where: Path,
-    workers: int,
-    spy: str = "",
-    out: Path | None = None,
-    detail: dict | None = None,
-) -> tuple[float, float]:
-    """The store-alone rate (tok/s) of ``workers`` processes, and the cores they kept busy;
-    ``detail`` receives their user and system core-seconds and minor faults per GB."""
-    detail = {} if detail is None else detail
+    source: str, where: Path, workers: int, spy: str = "", out: Path | None = None
+) -> dict[str, float]:
+    """The store-alone row of ``workers`` processes: its rate (``tok_per_s``), the cores they
+    kept busy, and their user and system core-seconds and minor faults per GB."""
     dest = where / "kimi-store-alone.zarr"
     shutil.rmtree(dest, ignore_errors=True)
     ctx = multiprocessing.get_context("spawn")
@@ -238,12 +213,13 @@ def store_alone(
     shutil.rmtree(dest, ignore_errors=True)
     start, end = min(g[0] for g in got), max(g[1] for g in got)
     gb = sum(g[2] for g in got) * ROW_BYTES / 1e9
-    detail.update(
-        user_core_s_per_gb=round(sum(g[3] for g in got) / gb, 2),
-        sys_core_s_per_gb=round(sum(g[4] for g in got) / gb, 2),
-        minor_faults_per_gb=round(sum(g[5] for g in got) / gb),
-    )
-    return sum(g[2] for g in got) / (end - start), sum(g[3] + g[4] for g in got) / (end - start)
+    return {
+        "tok_per_s": sum(g[2] for g in got) / (end - start),
+        "cores_busy": round(sum(g[3] + g[4] for g in got) / (end - start), 1),
+        "user_core_s_per_gb": round(sum(g[3] for g in got) / gb, 2),
+        "sys_core_s_per_gb": round(sum(g[4] for g in got) / gb, 2),
+        "minor_faults_per_gb": round(sum(g[5] for g in got) / gb),
+    }
 
 
 def _server_pids() -> list[int]:
@@ -284,12 +260,11 @@ def store_diag(args: argparse.Namespace, rows: list[dict], shm: Path) -> None:
             os.kill(pid, signal.SIGSTOP)
         try:
             for states in (source, f"random:{args.prompts}"):
-                detail: dict = {}
-                rate, busy = store_alone(states, shm, args.workers, detail=detail)
+                row = store_alone(states, shm, args.workers)
                 log(
                     args.out, row="store alone diag", server=server,
                     states="run" if states == source else "random", workers=args.workers,
-                    tok_per_s=round(rate), cores_busy=round(busy, 1), **detail,
+                    **{**row, "tok_per_s": round(row["tok_per_s"])},
                 )  # fmt: skip
         finally:
             for pid in pids:
@@ -403,20 +378,19 @@ def main() -> None:
     ceiling_disk = min(disk / stored_fraction, codec) * 1e9 / ROW_BYTES
     ceiling_shm = codec * 1e9 / ROW_BYTES
     for workers in (int(w) for w in args.store_workers.split(",") if w):
-        rate, busy = store_alone(source, shm, workers, args.spy, args.out)
+        row = store_alone(source, shm, workers, args.spy, args.out)
+        rate = row.pop("tok_per_s")
         log(
             args.out, row="store alone sweep", on="shm", workers=workers, tok_per_s=round(rate),
-            ceiling_tok_per_s=round(ceiling_shm), ratio=round(rate / ceiling_shm, 3),
-            cores_busy=round(busy, 1),
+            ceiling_tok_per_s=round(ceiling_shm), ratio=round(rate / ceiling_shm, 3), **row,
         )  # fmt: skip
     for where, label, ceiling in ((args.disk, "disk", ceiling_disk), (shm, "shm", ceiling_shm)):
-        detail: dict = {}
-        rate, busy = store_alone(source, where, args.workers, detail=detail)
-        results[f"store-{label}"] = rate
+        row = store_alone(source, where, args.workers)
+        rate = results[f"store-{label}"] = row.pop("tok_per_s")
         log(
             args.out, row="store alone", on=label, workers=args.workers,
             tok_per_s=round(rate), ceiling_tok_per_s=round(ceiling), ratio=round(rate / ceiling, 3),
-            cores_busy=round(busy, 1), **detail,
+            **row,
         )  # fmt: skip
     shutil.rmtree(source, ignore_errors=True)
     for label in ("disk", "shm"):

@@ -45,8 +45,7 @@ def topology() -> None:
         emit(what=f"thp {f}", value=p.read_text().strip() if p.exists() else None)
 
 
-def samples(n: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    return store_probe.samples(n, seed, scale=(0.6, 0.3))
+SCALE = (0.6, 0.3)  # the standard deviations of the aux and the final states
 
 
 def codec_sweep(data: list[tuple[np.ndarray, np.ndarray]]) -> None:
@@ -75,7 +74,7 @@ def writer(dest: str, index: int, procs: int, n: int, barrier, results) -> None:
     os.environ["HSDUMP_CORES"] = str(max(1, (os.cpu_count() or 1) // procs))
     from hsdump import open_store
 
-    states = store_probe.as_states(samples(n, seed=index), prefix=f"p{index}s")
+    states = store_probe.as_states(store_probe.samples(n, index, SCALE), prefix=f"p{index}s")
     barrier.wait()
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
     with open_store(dest, "a", writer_id=f"w{index}") as store:
@@ -129,7 +128,7 @@ def main() -> None:
     n = int(sys.argv[3]) if len(sys.argv) > 3 else 48
     out = Path(os.environ.get("OUT", "/tmp/out"))
     topology()
-    codec_sweep(samples(8, seed=99))
+    codec_sweep(store_probe.samples(8, 99, SCALE))
     dest = where / "profile.zarr"
     shutil.rmtree(dest, ignore_errors=True)
     ctx = multiprocessing.get_context("spawn")
