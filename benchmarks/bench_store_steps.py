@@ -3,9 +3,12 @@
 Each step of a write runs alone on one thread, on the same samples (2048 tokens, K=3 aux layers
 plus the final state, H=7168): the codec (Blosc zstd-1, byte shuffle over the 2-byte bits, as the
 store configures it), copying rows into a shard buffer, their CRC-32, their statistics, and the
-three fused as the store runs them. Then one store process writes the same samples into a fresh
-store on /dev/shm and reports its total core-seconds per GB. The difference between the total
-and the steps alone is what they cost each other through memory and the GIL.
+three fused as the store runs them. Beside the store's CRC-32 (zlib-ng's), row sums (einsum) and
+peak magnitudes (two maxima of views), the ways they were computed before run on the same rows:
+zlib's CRC-32, numpy's pairwise ``add.reduce``, and a maximum of a masked copy. Then one store
+process writes the same samples into a fresh store on /dev/shm and reports its total core-seconds
+per GB. The difference between the total and the steps alone is what they cost each other
+through memory and the GIL.
 
 Run ``python benchmarks/bench_store_steps.py`` (``--samples N``; ~1 minute on 2 cores).
 """
@@ -26,6 +29,8 @@ import torch
 from numcodecs import Blosc
 
 from hsdump import HiddenStates, open_store
+from hsdump._protocol import dtype_spec
+from hsdump._store.integrity import crc32
 from hsdump._store.shardbuf import Piece, ShardBuffer, place_sample
 from hsdump._store.stats import RowStats
 
@@ -75,11 +80,31 @@ def steps(data: list[tuple[np.ndarray, np.ndarray]]) -> dict[str, float]:
                 [Piece(shard, 0, 0, T)], aux, final, ids, None, RowStats("bfloat16", LAYERS)
             )
 
+    bf16 = dtype_spec("bfloat16")
+    wide = np.empty((64, K + 1, H), np.float32)
+
+    def widened(fn: Callable[[np.ndarray], object]) -> Callable[[np.ndarray], object]:
+        return lambda rows: fn(bf16.to_float32(rows, out=wide[: len(rows)]))
+
     return {
         "codec": per_gb(each_chunk(codec.encode), gb),
         "copy into the shard buffer": per_gb(copy, gb),
-        "crc32": per_gb(each_chunk(lambda rows: zlib.crc32(rows.data)), gb),
+        "crc32 (the store's, zlib-ng)": per_gb(each_chunk(lambda rows: crc32(rows.data)), gb),
+        "crc32 (zlib)": per_gb(each_chunk(lambda rows: zlib.crc32(rows.data)), gb),
         "statistics": per_gb(each_chunk(RowStats("bfloat16", LAYERS).add), gb),
+        "  widening to float32": per_gb(each_chunk(widened(lambda v: None)), gb),
+        "  widening + row sums, einsum (the store's)": per_gb(
+            each_chunk(widened(lambda v: np.einsum("tlh->tl", v))), gb
+        ),
+        "  widening + row sums, add.reduce": per_gb(
+            each_chunk(widened(lambda v: np.add.reduce(v, -1))), gb
+        ),
+        "  peak magnitudes, two maxima (the store's)": per_gb(
+            each_chunk(lambda rows: bf16.peak_magnitude(rows, axis=(0, 2))), gb
+        ),
+        "  peak magnitudes, masked copy": per_gb(
+            each_chunk(lambda rows: np.bitwise_and(rows, 0x7FFF).max(axis=(0, 2))), gb
+        ),
         "copy + crc32 + statistics, fused": per_gb(fused, gb),
     }
 
@@ -106,7 +131,7 @@ def main() -> None:
     data = samples(args.samples)
     bits = [(a.view(torch.uint16).numpy(), f.view(torch.uint16).numpy()) for a, f in data]
     for name, value in steps(bits[:4]).items():
-        print(f"{name:>34}: {value:.2f} core-s per GB (one thread, alone)")
+        print(f"{name:<46}: {value:.2f} core-s per GB (one thread, alone)")
     states = [
         HiddenStates(
             sample_id=f"s{i}",
@@ -119,7 +144,7 @@ def main() -> None:
     ]
     core_s, rate = store_write(states)
     print(
-        f"{'one store process, all of a write':>34}: {core_s:.2f} core-s per GB ({rate:.2f} GB/s)"
+        f"{'one store process, all of a write':<46}: {core_s:.2f} core-s per GB ({rate:.2f} GB/s)"
     )
 
 
