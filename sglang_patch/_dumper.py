@@ -49,6 +49,7 @@ class Dumper:
             num_layers=len(fmt.layer_ids),
             hidden_size=fmt.hidden_size,
             submit=self.writer.submit_rows,
+            side_bytes=config.gpu_staging_bytes,
         )
         self._next_expiry = time.monotonic() + config.partial_ttl_s
         self.clock = StageClock("scheduler", config.profile_s)
@@ -82,8 +83,12 @@ class Dumper:
     def describe(self) -> str:
         """How this rank stages, for the start-up log line."""
         how = "mapped" if self.config.mapped_writes else "pwrite"
+        side = self.config.gpu_staging_bytes >> 20
+        copies = (
+            f"copies on a side stream ({side} MB GPU)" if side else "copies on the forward's stream"
+        )
         return (
-            f"this rank writes, {self.ring.capacity >> 20} MB pinned, "
+            f"this rank writes, {self.ring.capacity >> 20} MB pinned, {copies}, "
             f"{self.config.write_threads} write threads ({how})"
         )
 

@@ -1,9 +1,12 @@
 """Device-to-host staging: a bounded pinned ring buffer and the copies that fill it.
 
-The copies are queued on the stream that ran the forward, right after it: stream order makes them
-read the hidden states before any later forward (or CUDA graph replay, whose outputs are views of
-one shared buffer) can overwrite them, without stalling the GPU. The scheduler thread blocks only
-when the ring is full, which is the back-pressure that keeps host memory bounded.
+The forward's outputs may be views of a CUDA graph's output buffer that the next replay
+overwrites, so a piece's rows are first copied on the stream that ran the forward, right after it,
+into a snapshot of their own (device to device: ~0.3% of a prefill's time at H=7168). By default
+(`SideCopies`) the copy to pinned memory then runs on a stream of its own, beside the next forward:
+queued on the forward's stream, it held the GPU ~1 us a token (57 KB at 54 GB/s), 11% of an
+H200's prefill at 112k tokens/s. The scheduler thread blocks only when the ring (host memory) or
+the snapshots in flight (GPU memory) reach their bounds.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["Piece", "PinnedRing", "Stager", "record_event"]
+__all__ = ["Piece", "PinnedRing", "SideCopies", "Stager", "record_event", "stage_rows"]
 
 _ALIGN = 64
 
@@ -122,13 +125,65 @@ class _DoneEvent:
         """Nothing to wait for: the copies ran synchronously on the CPU."""
 
 
-def record_event(device: torch.device) -> Any:
-    """An event after the work queued so far on ``device``'s current stream."""
+def record_event(device: torch.device, stream: Any = None) -> Any:
+    """An event after the work queued so far on ``stream`` (default: ``device``'s current one)."""
     if device.type != "cuda":
         return _DoneEvent()
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-    event.record(torch.cuda.current_stream(device))
+    event.record(stream or torch.cuda.current_stream(device))
     return event
+
+
+class SideCopies:
+    """Copies to pinned memory on a CUDA stream of their own, from snapshots of the rows.
+
+    Args:
+        device: The GPU.
+        limit: Bytes of snapshots in flight; above it the scheduler waits for the oldest copies.
+    """
+
+    def __init__(self, device: torch.device, limit: int):
+        self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self.limit = limit
+        self._in_flight: deque[tuple[Any, int]] = deque()
+        self._bytes = 0
+
+    def copy(self, rows: torch.Tensor, dest: torch.Tensor, kh: int) -> None:
+        """Queue the copy of ``rows`` ([n, (K+1)*H] on the GPU) into pinned ``dest`` (`stage_rows`'s
+        layout)."""
+        snapshot = torch.empty_like(dest, device=rows.device)
+        self._make_room(snapshot.nbytes)
+        stage_rows(rows, snapshot, kh)  # on the forward's stream
+        self.stream.wait_stream(torch.cuda.current_stream(rows.device))
+        with torch.cuda.stream(self.stream):
+            dest.copy_(snapshot, non_blocking=True)  # one contiguous copy
+        snapshot.record_stream(self.stream)  # not reused before the side stream has read it
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record(self.stream)
+        self._in_flight.append((done, snapshot.nbytes))
+        self._bytes += snapshot.nbytes
+
+    def event(self) -> Any:
+        """An event after every copy queued so far."""
+        return record_event(self.stream.device, self.stream)
+
+    def _make_room(self, nbytes: int) -> None:
+        """Forget finished copies, then wait for the oldest until ``nbytes`` more fit the limit."""
+        while self._in_flight:
+            done, size = self._in_flight[0]
+            if self._bytes + nbytes <= self.limit and not done.query():
+                return
+            done.synchronize()
+            self._in_flight.popleft()
+            self._bytes -= size
+
+
+def stage_rows(rows: torch.Tensor, dest: torch.Tensor, kh: int) -> None:
+    """Copy ``rows`` ([n, (K+1)*H]) into ``dest`` (n*(K+1)*H values): the n aux rows of K*H
+    values, then the n final rows of H."""
+    n = rows.shape[0]
+    dest[: n * kh].view(n, kh).copy_(rows[:, :kh], non_blocking=True)
+    dest[n * kh :].view(n, -1).copy_(rows[:, kh:], non_blocking=True)
 
 
 class Stager:
@@ -140,6 +195,8 @@ class Stager:
         hidden_size: H.
         submit: Called with ``(event, pieces)`` once the pieces' copies are queued; the consumer
             waits on the event, writes the pieces and frees their blocks.
+        side_bytes: GPU snapshots in flight for `SideCopies`; 0 queues the copies to pinned
+            memory on the forward's stream instead.
     """
 
     def __init__(
@@ -149,11 +206,14 @@ class Stager:
         num_layers: int,
         hidden_size: int,
         submit: Callable[[Any, list[Piece]], None],
+        side_bytes: int = 0,
     ):
         self.ring, self.k, self.h = ring, num_layers, hidden_size
         self._submit = submit
         self._pending: list[Piece] = []
         self._device = torch.device("cpu")
+        self._side_bytes = side_bytes
+        self._side: SideCopies | None = None
 
     def stage(
         self, hidden: torch.Tensor, rid: str, row: int, n: int, start: int, **info: Any
@@ -172,7 +232,13 @@ class Stager:
         """Hand the queued pieces over, behind an event recorded after their copies."""
         if self._pending:
             pieces, self._pending = self._pending, []
-            self._submit(record_event(self._device), pieces)
+            event = self._side.event() if self._side else record_event(self._device)
+            self._submit(event, pieces)
+
+    def _side_copies(self, device: torch.device) -> SideCopies | None:
+        if self._side is None and self._side_bytes and device.type == "cuda":
+            self._side = SideCopies(device, self._side_bytes)
+        return self._side
 
     def _stage_piece(
         self,
@@ -192,11 +258,12 @@ class Stager:
             self.flush()  # the consumer can only free what it was given
             got = self.ring.alloc(nbytes)
         block, buf = got
+        side = self._side_copies(hidden.device)
+        if side is None:
+            stage_rows(hidden[row : row + n], buf.view(hidden.dtype), kh)
+        else:
+            side.copy(hidden[row : row + n], buf.view(hidden.dtype), kh)
         aux, final = buf[: n * kh * size], buf[n * kh * size :]
-        aux.view(hidden.dtype).view(n, kh).copy_(hidden[row : row + n, :kh], non_blocking=True)
-        final.view(hidden.dtype).view(n, self.h).copy_(
-            hidden[row : row + n, kh:], non_blocking=True
-        )
         self._pending.append(
             Piece(
                 rid=rid,

@@ -405,10 +405,11 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path: Path) -> None
     monkeypatch.setenv("HSDUMP_WRITE_THREADS", "3")
     monkeypatch.setenv("HSDUMP_SWITCH_INTERVAL_US", "2000")
     monkeypatch.setenv("HSDUMP_MAPPED_WRITES", "0")
+    monkeypatch.setenv("HSDUMP_GPU_STAGING_MB", "0")
     config = load_config()
     assert config.layer_ids == (2, 30, 58) and config.pinned_bytes == 64 << 20
     assert config.write_threads == 3 and config.switch_interval_s == 0.002
-    assert not config.mapped_writes
+    assert not config.mapped_writes and config.gpu_staging_bytes == 0
     assert config.dump_dir == tmp_path
 
 
@@ -423,6 +424,7 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path: Path) -> None
         ("HSDUMP_WRITE_THREADS", "0", "positive"),
         ("HSDUMP_SWITCH_INTERVAL_US", "0", "positive"),
         ("HSDUMP_MAPPED_WRITES", "yes", "must be 1 \\(on\\) or 0 \\(off\\)"),
+        ("HSDUMP_GPU_STAGING_MB", "-5", "positive"),
     ],
 )
 def test_malformed_settings_name_the_variable(monkeypatch, tmp_path, name, value, message) -> None:
