@@ -11,6 +11,7 @@ the snapshots in flight (GPU memory) reach their bounds.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -22,6 +23,8 @@ import torch
 __all__ = ["Piece", "PinnedRing", "SideCopies", "Stager", "record_event", "stage_rows"]
 
 _ALIGN = 64
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -147,14 +150,28 @@ class SideCopies:
         self.limit = limit
         self._in_flight: deque[tuple[Any, int]] = deque()
         self._bytes = 0
+        self._warned = False
 
     def copy(self, rows: torch.Tensor, dest: torch.Tensor, kh: int) -> None:
         """Queue the copy of ``rows`` ([n, (K+1)*H] on the GPU) into pinned ``dest`` (`stage_rows`'s
-        layout)."""
-        snapshot = torch.empty_like(dest, device=rows.device)
-        self._make_room(snapshot.nbytes)
+        layout). Without GPU memory for a snapshot, the copy runs on the forward's stream."""
+        forward = torch.cuda.current_stream(rows.device)
+        self._make_room(dest.nbytes)
+        try:
+            snapshot = torch.empty_like(dest, device=rows.device)
+        except torch.cuda.OutOfMemoryError:
+            if not self._warned:
+                self._warned = True
+                logger.warning(
+                    "hsdump: no GPU memory for a %d MB snapshot; copying on the forward's stream "
+                    "(lower HSDUMP_GPU_STAGING_MB or --mem-fraction-static)",
+                    dest.nbytes >> 20,
+                )
+            stage_rows(rows, dest, kh)
+            self.stream.wait_stream(forward)  # so that `event` covers this copy too
+            return
         stage_rows(rows, snapshot, kh)  # on the forward's stream
-        self.stream.wait_stream(torch.cuda.current_stream(rows.device))
+        self.stream.wait_stream(forward)
         with torch.cuda.stream(self.stream):
             dest.copy_(snapshot, non_blocking=True)  # one contiguous copy
         snapshot.record_stream(self.stream)  # not reused before the side stream has read it
