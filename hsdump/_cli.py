@@ -247,11 +247,23 @@ def _print_summary(
         f"{summary.tokens_per_s:,.0f} tokens/s, {len(summary.failures)} failed",
         highlight=False,
     )
-    if summary.stages:
-        busiest = max(summary.stages, key=summary.stages.__getitem__)
-        stages = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in summary.stages.items())
+    from hsdump._run.pipeline import QUEUES
+
+    work = {name: s for name, s in summary.stages.items() if name not in QUEUES}
+    if work:
+        busiest = max(work, key=work.__getitem__)
+        stages = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in work.items())
         console.print(
             f"time per stage (overlapping): {stages}; busiest: {busiest}", highlight=False
+        )
+    if summary.limit is not None:
+        queued = ", ".join(
+            f"{stage} {summary.stages.get(queue, 0.0):.2f} s (x{summary.occupancy(queue):.1f})"
+            for queue, stage in QUEUES.items()
+        )
+        console.print(
+            f"queued before (overlapping): {queued}; samples waited most for: {summary.limit}",
+            highlight=False,
         )
     _print_telemetry(summary)
     if summary.failures:

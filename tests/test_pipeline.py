@@ -24,7 +24,7 @@ from hsdump import (
     StoreError,
     run_extraction,
 )
-from hsdump._run.pipeline import failures_path_for
+from hsdump._run.pipeline import QUEUES, failures_path_for
 from hsdump.testing import FakeServer, Fault
 
 pytestmark = pytest.mark.anyio
@@ -238,11 +238,68 @@ async def test_the_summary_reports_time_per_stage(server):
     store = WaitingStore(lambda sample_id: done)
     async with HiddenStateClient(server.url, dump_dir=server.dump_dir, probe=False) as client:
         summary = await run_extraction(_samples(2), client=client, store=store)
-    assert set(summary.stages) == {"server", "dump_wait", "ingest", "store_write"}
-    stats = client.stats  # the client's own clock for its stages, the store's for its writes
-    measured = {"server": stats.server_s, "dump_wait": stats.dump_wait_s, "ingest": stats.ingest_s}
+    work = {"server", "dump_wait", "ingest", "store_write"}
+    assert set(summary.stages) == work | set(QUEUES)
+    measured = client.stats.stages()  # the client's own clock for its stages and queues
     assert {name: summary.stages[name] for name in measured} == pytest.approx(measured)
     assert summary.stages["store_write"] >= store.write_s > 0
+    assert set(summary.stage_rates()) == work  # GB/s only for stages that move bytes
+
+
+class StampingClient:
+    """The client, noting when each sample came out of it (extracted, checked)."""
+
+    def __init__(self, client: HiddenStateClient, extracted: dict[str, threading.Event]):
+        self.client, self.extracted, self.at = client, extracted, {}
+
+    async def extract(self, sample: Sample) -> HiddenStates:
+        states = await self.client.extract(sample)
+        self.at[sample.id] = time.perf_counter()
+        self.extracted[sample.id].set()
+        return states
+
+
+async def test_samples_waiting_for_a_busy_store_are_counted_in_its_queue(server):
+    samples = _samples(3)
+    extracted = {s.id: threading.Event() for s in samples}
+    first, *others = (s.id for s in samples)
+    all_out = threading.Event()
+
+    class FirstWriteWaits(WaitingStore):
+        async def awrite(self, states: HiddenStates) -> None:
+            self.began[states.sample_id] = time.perf_counter()
+            if states.sample_id == first:  # until the others are out of the client
+                for sample_id in others:
+                    await anyio.to_thread.run_sync(extracted[sample_id].wait, 10)
+                all_out.set()
+            await super().awrite(states)
+
+    store = FirstWriteWaits(lambda sample_id: all_out)
+    store.began = {}
+    async with HiddenStateClient(server.url, dump_dir=server.dump_dir, probe=False) as client:
+        stamping = StampingClient(client, extracted)
+        summary = await run_extraction(samples, client=stamping, store=store, concurrency=3)
+    assert summary.ok and store.came == dict.fromkeys(extracted, True)
+    # Each sample queued from leaving the client until its write began; the run's own clock
+    # stamps both ends a little inside these.
+    queued = sum(store.began[s] - stamping.at[s] for s in extracted)
+    assert 0 < summary.stages["store_queue"] <= queued
+    assert summary.stages["store_queue"] == pytest.approx(queued, abs=0.05)
+
+
+async def test_a_request_waiting_for_the_one_in_flight_is_counted_as_slot_wait(server):
+    async with HiddenStateClient(server.url, dump_dir=server.dump_dir, probe=False) as client:
+        summary = await run_extraction(_samples(2), client=client, store=MemoryStore())
+    # One request at a time: the second waited while the first was at the server.
+    assert summary.ok and summary.stages["slot_wait"] > 0
+
+
+def test_the_limit_is_the_stage_samples_queued_longest_for():
+    summary = ExtractionSummary(stages={"server": 9.0, "ingest": 2.0, "ingest_queue": 3.0})
+    assert summary.limit == "ingest"  # not the busiest stage: the one samples waited for
+    summary.stages.update(store_queue=4.0, slot_wait=1.0)
+    assert summary.limit == "store_write"
+    assert ExtractionSummary(stages={"server": 1.0, "slot_wait": 0.0}).limit is None
 
 
 async def test_a_stored_sample_whose_dataset_tokens_changed_is_a_failure_not_a_skip(

@@ -82,17 +82,22 @@ class ClientStats:
         requests: Completed extractions.
         tokens: Tokens extracted.
         bytes: Hidden-state bytes loaded.
+        slot_wait_s: Waiting for a request slot (``max_in_flight`` or the run's gate) before
+            sending.
         server_s: Sending the request until the HTTP response.
         dump_wait_s: The response until the dump was visible (0 when the dump came first).
-        ingest_s: Reading, validating and loading the dump.
+        ingest_queue_s: The dump visible until an ingest thread took it.
+        ingest_s: Reading, validating and loading the dump, on that thread.
         failures: Failed attempts by error class name.
     """
 
     requests: int = 0
     tokens: int = 0
     bytes: int = 0
+    slot_wait_s: float = 0.0
     server_s: float = 0.0
     dump_wait_s: float = 0.0
+    ingest_queue_s: float = 0.0
     ingest_s: float = 0.0
     failures: dict[str, int] = field(default_factory=dict)
 
@@ -111,15 +116,24 @@ class ClientStats:
             requests=self.requests - earlier.requests,
             tokens=self.tokens - earlier.tokens,
             bytes=self.bytes - earlier.bytes,
+            slot_wait_s=self.slot_wait_s - earlier.slot_wait_s,
             server_s=self.server_s - earlier.server_s,
             dump_wait_s=self.dump_wait_s - earlier.dump_wait_s,
+            ingest_queue_s=self.ingest_queue_s - earlier.ingest_queue_s,
             ingest_s=self.ingest_s - earlier.ingest_s,
             failures=failures,
         )
 
     def stages(self) -> dict[str, float]:
-        """Seconds per stage of a request, as a run's summary names them."""
-        return {"server": self.server_s, "dump_wait": self.dump_wait_s, "ingest": self.ingest_s}
+        """Seconds per stage of a request, and in the queues before them, as a run's summary
+        names them."""
+        return {
+            "slot_wait": self.slot_wait_s,
+            "server": self.server_s,
+            "dump_wait": self.dump_wait_s,
+            "ingest_queue": self.ingest_queue_s,
+            "ingest": self.ingest_s,
+        }
 
 
 class HiddenStateClient:
@@ -328,23 +342,25 @@ class HiddenStateClient:
         finally:
             if path is None:
                 self._abandon(rid)
-        started = time.perf_counter()
-        states = await anyio.to_thread.run_sync(
+        queued = time.perf_counter()
+        states, began = await anyio.to_thread.run_sync(
             self._ingest, sample, rid, path, limiter=self._ingest_limiter
         )
-        self._account(states, time.perf_counter() - started)
+        self._account(states, began - queued, time.perf_counter() - began)
         return states
 
-    def _ingest(self, sample: Sample, rid: str, path: Path) -> HiddenStates:
+    def _ingest(self, sample: Sample, rid: str, path: Path) -> tuple[HiddenStates, float]:
+        began = time.perf_counter()
         try:
-            return load_dump(path, sample=sample, rid=rid, expected=self._expected)
+            return load_dump(path, sample=sample, rid=rid, expected=self._expected), began
         finally:
             remove_dump(path)
 
-    def _account(self, states: HiddenStates, ingest_s: float) -> None:
+    def _account(self, states: HiddenStates, queued_s: float, ingest_s: float) -> None:
         self.stats.requests += 1
         self.stats.tokens += states.num_tokens
         self.stats.bytes += states.nbytes
+        self.stats.ingest_queue_s += queued_s
         self.stats.ingest_s += ingest_s
 
     async def _request(self, sample: Sample, rid: str, dump_timeout: float | None = None) -> Path:
@@ -359,7 +375,9 @@ class HiddenStateClient:
         error: BaseException | None = None
         async with anyio.create_task_group() as tg:
             try:
+                asked = time.perf_counter()
                 async with self._gate:
+                    self.stats.slot_wait_s += time.perf_counter() - asked
                     tg.start_soon(self._wait_for_dump, rid, found, dump_seen)
                     await self._send(sample, rid)
                 waited = time.perf_counter()

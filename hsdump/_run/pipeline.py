@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from hsdump._types import HiddenStates, Sample
 
 __all__ = [
+    "QUEUES",
     "Backoff",
     "ExtractionSummary",
     "Extractor",
@@ -49,6 +50,13 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: The queue before each stage, and that stage: samples pile up before the one that limits a run.
+QUEUES: dict[str, str] = {
+    "slot_wait": "server",
+    "ingest_queue": "ingest",
+    "store_queue": "store_write",
+}
 
 
 class Extractor(Protocol):
@@ -162,10 +170,11 @@ class ExtractionSummary:
         retries: Retries made.
         failures: Samples and lines that failed.
         interrupted: Whether the run was cancelled before its end.
-        stages: Seconds spent per stage, summed over samples: ``server`` (request to response),
+        stages: Seconds per stage, summed over samples: ``server`` (request to response),
             ``dump_wait`` (response to dump visible), ``ingest`` (read + validate), from the
-            client's stats when it keeps them, and ``store_write``. Stages overlap in time, so
-            the largest one is the bottleneck.
+            client's stats when it keeps them, and ``store_write``; and in the queue before each
+            (`QUEUES`): ``slot_wait`` (for a request slot), ``ingest_queue`` (for an ingest
+            thread), ``store_queue`` (extracted, for the store). Stages overlap in time.
         started: ``time.monotonic()`` at the start.
         finished: ``time.monotonic()`` at the end, or None while running.
         workers: Processes that extracted and stored (1: this one).
@@ -212,14 +221,25 @@ class ExtractionSummary:
         return self.cpu_s / self.wall_s if self.wall_s > 0 else 0.0
 
     def stage_rates(self) -> dict[str, tuple[float, float]]:
-        """Per stage: GB/s of raw hidden states while the stage was busy, and its occupancy (how
-        many samples were in that stage on average). The stage with the highest occupancy per
-        unit of parallelism it can run with is the limit."""
+        """Per stage (queues left out): GB/s of raw hidden states while the stage was busy, and
+        its occupancy (how many samples were in that stage on average)."""
         rates = {}
         for name, seconds in self.stages.items():
-            rate = self.bytes_raw / seconds / 1e9 if seconds > 0 else 0.0
-            rates[name] = (rate, seconds / self.wall_s if self.wall_s > 0 else 0.0)
+            if name not in QUEUES:
+                rate = self.bytes_raw / seconds / 1e9 if seconds > 0 else 0.0
+                rates[name] = (rate, self.occupancy(name))
         return rates
+
+    def occupancy(self, stage: str) -> float:
+        """How many samples were in ``stage`` (or its queue) on average."""
+        return self.stages.get(stage, 0.0) / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def limit(self) -> str | None:
+        """The stage whose queue samples waited in longest (`QUEUES`); None when none waited."""
+        queued = {stage: self.stages.get(queue, 0.0) for queue, stage in QUEUES.items()}
+        stage = max(queued, key=queued.__getitem__)
+        return stage if queued[stage] > 0 else None
 
     @property
     def ratio(self) -> float:
@@ -240,7 +260,7 @@ class ExtractionSummary:
 
 
 ProgressCallback = Callable[[ExtractionSummary], None]
-_Extracted = tuple["Sample", "HiddenStates", int]
+_Extracted = tuple["Sample", "HiddenStates", int, float]  # ..., attempts, extracted at
 
 
 class _Source:
@@ -395,7 +415,7 @@ class _Run:
             while (sample := await source.next()) is not None:
                 extracted = await self.attempts(sample)
                 if extracted is not None:
-                    await out.send(extracted)
+                    await out.send((*extracted, time.perf_counter()))
                     continue
                 self._report()
                 if self.fail_fast:
@@ -406,14 +426,14 @@ class _Run:
         self, results: MemoryObjectReceiveStream[_Extracted], scope: anyio.CancelScope
     ) -> None:
         async with results:
-            async for sample, states, attempt in results:
-                committed = await self.commit(sample, states, attempt)
+            async for sample, states, attempt, extracted_at in results:
+                committed = await self.commit(sample, states, attempt, extracted_at)
                 self._report()
                 if not committed and (self.fail_fast or self.fatal is not None):
                     scope.cancel()
                     return
 
-    async def attempts(self, sample: Sample) -> _Extracted | None:
+    async def attempts(self, sample: Sample) -> tuple[Sample, HiddenStates, int] | None:
         """Extract ``sample``, retrying transient failures; None when it failed for good."""
         for attempt in range(1, self.retries + 2):
             try:
@@ -427,9 +447,12 @@ class _Run:
                 await anyio.sleep(self.backoff.delay(attempt))
         raise AssertionError("unreachable: the last attempt returns")
 
-    async def commit(self, sample: Sample, states: HiddenStates, attempt: int) -> bool:
-        started = time.perf_counter()
+    async def commit(
+        self, sample: Sample, states: HiddenStates, attempt: int, extracted_at: float
+    ) -> bool:
         async with self._write_lock:
+            started = time.perf_counter()
+            self._add_stage("store_queue", started - extracted_at)
             try:
                 await self.store.awrite(states)
             except SampleExistsError:

@@ -99,7 +99,7 @@ class ExtractionActor:
         self._client: HiddenStateClient | None = None
         self._store: Any = None
         self._start: _Start | None = None
-        self._store_write_s = 0.0
+        self._store_s = {"store_queue": 0.0, "store_write": 0.0}  # the run's, not the client's
         self._feeds: set[MemoryObjectReceiveStream[Sample]] = set()
 
     async def open(self) -> BatchResult:
@@ -159,7 +159,8 @@ class ExtractionActor:
             return BatchResult(error=type(exc).__name__, message=str(exc), totals=self._totals())
         finally:
             self._feeds.discard(feed)
-        self._store_write_s += summary.stages.get("store_write", 0.0)
+        for name in self._store_s:
+            self._store_s[name] += summary.stages.get(name, 0.0)
         return BatchResult.of(summary, self._totals())
 
     async def stop(self) -> None:
@@ -190,7 +191,7 @@ class ExtractionActor:
         """This actor's running totals (absolute, so two batches at once are not counted twice)."""
         client, start = self._opened()
         stages = client.stats.since(start.client).stages()
-        stages["store_write"] = self._store_write_s
+        stages.update(self._store_s)
         raw, stored = _store_bytes(self._store)
         return {
             "stages": stages,
