@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from typer.testing import CliRunner
 import hsdump
 from hsdump import DumpMeta, ProducerInfo, open_store
 from hsdump._cli import app
+from hsdump._memfs import small_page_tmpfs
 from hsdump._servers.reference import build_default_model
 from hsdump.testing import FakeServer, Fault
 
@@ -397,3 +399,23 @@ def test_a_malformed_setting_stops_extract_with_one_line_naming_it(fake, tmp_pat
         result.output
     )
     assert "Traceback" not in result.output
+
+
+@pytest.mark.skipif(
+    small_page_tmpfs("/dev/shm") is None, reason="/dev/shm here is not a tmpfs with 4 KB pages"
+)
+def test_a_dump_root_on_a_tmpfs_with_small_pages_is_warned_about(tmp_path):
+    dataset = _dataset(tmp_path / "d.jsonl", *_good(1))
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        with FakeServer(Path(shm) / "dumps", hidden_size=8) as server:
+            result = _extract_from(server, tmp_path, dataset)
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert f"the dump root {server.dump_dir} lies on the tmpfs /dev/shm" in said
+    assert "huge=within_size" in said
+
+
+def test_a_dump_root_off_tmpfs_gets_no_page_warning(fake, tmp_path):
+    assert small_page_tmpfs(fake.dump_dir) is None  # the premise: tmp_path is not a tmpfs here
+    result = _extract_from(fake, tmp_path, _dataset(tmp_path / "d.jsonl", *_good(1)))
+    assert result.exit_code == 0 and "4 KB pages" not in result.output
