@@ -643,10 +643,10 @@ def extract(
                 return _extract_ray(options, servers, ray_address, stop)
         if servers is not None:
             options = dataclasses.replace(options, servers=read_servers(servers))
-        _warn_small_pages([root for _, root in options.servers] or [dump_dir])
-        if servers is not None:
+            _warn_small_pages([root for _, root in options.servers])
             with GracefulStop():
                 return _extract_parallel(options, *options.servers[0])
+        _warn_small_pages([dump_dir])
         with GracefulStop() as stop, _server(server_url, dump_dir, model) as (url, root):
             if options.workers > 1:
                 return _extract_parallel(options, url, root)
@@ -658,19 +658,12 @@ def extract(
 
 def _warn_small_pages(roots: Sequence[Path | None]) -> None:
     """Warn about each dump root on a tmpfs with 4 KB pages (the server's log says so too)."""
-    from hsdump._memfs import small_page_tmpfs
+    from hsdump._memfs import small_page_warning
 
     for root in roots:
-        mount = None if root is None else small_page_tmpfs(root)
-        if mount is not None:
-            console.print(
-                f"[yellow]warning: the dump root {root} lies on the tmpfs {mount}, which has 4 KB "
-                "pages: the server fills dumps there at 3-4x the CPU per byte of a tmpfs with "
-                "huge pages, and at large hidden sizes that can set the run's pace. Mount one "
-                "(mount -t tmpfs -o huge=within_size,size=<N>g tmpfs /mnt/hsdump) and point "
-                "HSDUMP_DUMP_DIR and --dump-dir at it (docs/sglang.md).[/]",
-                highlight=False,
-            )
+        warning = None if root is None else small_page_warning(root)
+        if warning is not None:
+            console.print(f"[yellow]warning: {warning}[/]", highlight=False)
 
 
 def _all_stored(options: _ExtractOptions) -> bool:

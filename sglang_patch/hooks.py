@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hsdump._memfs import small_page_tmpfs
+from hsdump._memfs import small_page_warning
 from hsdump._protocol import Capabilities, ProducerInfo, ProducerManifest, write_manifest
 from sglang_patch._config import PluginConfig, load_config
 
@@ -248,9 +248,9 @@ def _start_dumper(scheduler: Any, config: PluginConfig, parallel: Any) -> None:
     )
     config.dump_dir.mkdir(parents=True, exist_ok=True)
     remove_stale_tmp_dirs(config.dump_dir)
-    warning = _small_page_warning(config.dump_dir)
+    warning = small_page_warning(config.dump_dir)
     if warning is not None:
-        logger.warning("%s", warning)
+        logger.warning("hsdump: %s", warning)
     # The scheduler thread spins on the GIL while idle; the writer thread gives the GIL up at every
     # syscall and waits up to one switch interval (5 ms by default) to get it back, ~20 times per
     # dump. A short interval keeps a dump's latency in milliseconds (measured in docs).
@@ -258,23 +258,6 @@ def _start_dumper(scheduler: Any, config: PluginConfig, parallel: Any) -> None:
     STATE.dumper = Dumper(config, fmt, pin=torch.cuda.is_available())
     manifest = write_manifest(config.dump_dir, _manifest(fmt, config))
     atexit.register(_shutdown, manifest)
-
-
-def _small_page_warning(root: Path) -> str | None:
-    """The start-up warning for a dump root on a tmpfs with 4 KB pages, or None."""
-    mount = small_page_tmpfs(root)
-    if mount is None:
-        return None
-    # Measured on a 16-core H200 host (docs/sglang.md): 4.0 vs 13.3 GB/s with 4 threads, and 4
-    # write threads carried 0.31-0.36 instead of 0.79-0.85 of the server's rate at H=7168.
-    return (
-        f"hsdump: the dump root {root} lies on the tmpfs {mount}, which has 4 KB pages: filling "
-        "dumps there costs 3-4x the CPU per byte of a tmpfs with huge pages and can hold the "
-        "dump rate well under the server's. Mount one (mount -t tmpfs -o "
-        "huge=within_size,size=<N>g tmpfs /mnt/hsdump) and point HSDUMP_DUMP_DIR and the "
-        f"client there, or remount this one (mount -o remount,huge=within_size {mount}); see "
-        "docs/sglang.md"
-    )
 
 
 def _manifest(fmt: Any, config: PluginConfig) -> ProducerManifest:
