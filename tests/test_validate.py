@@ -3,6 +3,8 @@ do not hold what the metadata says are refused."""
 
 from __future__ import annotations
 
+import gc
+import os
 import re
 import tempfile
 from pathlib import Path
@@ -21,6 +23,7 @@ from hsdump import (
     Sample,
     ShapeMismatch,
 )
+from hsdump._client import validate
 from hsdump._client.loading import load_dump
 from hsdump._client.validate import Expected, read_checked
 from hsdump._protocol import DTYPES, DumpMeta, ProducerInfo, write_dump
@@ -85,6 +88,69 @@ def test_the_first_bad_token_is_named_across_blocks() -> None:
     bits[4999, 0, :] = 0x8000  # -0.0 is zero too
     with pytest.raises(DegenerateValues, match="token 4999"):
         copy_checked(bits, "bfloat16", "aux")
+
+
+def _mapped(file: Path) -> bool:
+    """Whether this process maps ``file`` (also once it is removed)."""
+    return str(file) in Path("/proc/self/maps").read_text()
+
+
+def _ones_file(tmp_path: Path, shape: tuple[int, ...] = (64, 2, 512)) -> tuple[Path, np.ndarray]:
+    bits = np.full(shape, 0x3F80, np.uint16)  # bf16 1.0
+    file = tmp_path / "aux.bin"
+    bits.tofile(file)
+    return file, bits
+
+
+def test_a_file_is_mapped_not_copied_and_outlives_its_removal(tmp_path: Path) -> None:
+    file, bits = _ones_file(tmp_path)
+    read = read_checked(file, bits.shape, "bfloat16", "aux", rid="hsdump-r")
+    assert _mapped(file)
+    file.unlink()  # as the client removes a dump once it is read
+    assert np.array_equal(read, bits)
+    del read
+    gc.collect()
+    assert not _mapped(file)  # unmapped with the last array on it: no mapping leaks
+
+
+def test_writing_to_a_mapped_array_leaves_the_file_as_it_was(tmp_path: Path) -> None:
+    file, bits = _ones_file(tmp_path)
+    read = read_checked(file, bits.shape, "bfloat16", "aux", rid="hsdump-r")
+    read[3, 1, 7] = 0x4000
+    assert np.array_equal(np.fromfile(file, np.uint16).reshape(bits.shape), bits)
+
+
+def test_where_a_mapping_cannot_be_filled_the_file_is_read_and_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(validate, "_MADV_POPULATE_READ", 0x7FFF)  # advice the kernel refuses
+    file, bits = _ones_file(tmp_path)
+    read = read_checked(file, bits.shape, "bfloat16", "aux", rid="hsdump-r")
+    assert np.array_equal(read, bits) and not _mapped(file)
+    bits[40, 0, 3] = 0x7F80  # +Inf
+    bits.tofile(file)
+    with pytest.raises(NonFiniteValues, match="token 40"):
+        read_checked(file, bits.shape, "bfloat16", "aux", rid="hsdump-r")
+
+
+@pytest.mark.parametrize("advice", [validate._MADV_POPULATE_READ, 0x7FFF])
+def test_a_file_cut_short_after_its_size_was_checked_is_refused_not_a_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, advice: int
+) -> None:
+    checked = validate.check_file_size
+
+    def check_then_cut(file: Path, *args: object, **kwargs: object) -> None:
+        checked(file, *args, **kwargs)  # type: ignore[arg-type]
+        os.truncate(file, 1000)
+
+    monkeypatch.setattr(validate, "check_file_size", check_then_cut)
+    monkeypatch.setattr(validate, "_MADV_POPULATE_READ", advice)
+    file, bits = _ones_file(tmp_path)
+    with pytest.raises(DumpValidationError, match="shrank") as info:
+        read_checked(file, bits.shape, "bfloat16", "aux", sample_id="s1", rid="hsdump-r")
+    assert info.value.sample_id == "s1"
+    gc.collect()
+    assert not _mapped(file)
 
 
 def test_a_file_of_the_wrong_size_is_refused_with_both_sizes(tmp_path: Path) -> None:

@@ -2,7 +2,8 @@
 
 `read_dump` is how every dump is read (the client's `load_dump` goes through it): the
 directory opened without following a link, its markers and ``meta.json`` checked, then each tensor
-file read into fresh memory with its size and values checked (`read_checked`).
+file mapped copy-on-write (read into fresh memory where it cannot be) with its size and values
+checked (`read_checked`).
 """
 
 from __future__ import annotations

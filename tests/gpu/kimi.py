@@ -92,11 +92,17 @@ def extract(args: argparse.Namespace, rows: list[dict], where: Path, conc: int) 
         args.url, "--dump-dir", args.dump_dir, "--concurrency", str(conc), "--retries", "0",
         "--workers", str(args.workers),
     ]  # fmt: skip
-    t0 = time.perf_counter()
+    t0, host0, server0 = time.perf_counter(), host_cpu_s(), server_cpu_s()
     env = {**os.environ, "COLUMNS": "250"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    spy = record_extract(args, proc.pid, f"extract-{where.name}-{conc}") if args.spy else None
+    text, _ = proc.communicate(timeout=400)
     wall = time.perf_counter() - t0
-    text = proc.stdout + proc.stderr
+    host_busy = (host_cpu_s() - host0) / wall
+    server_busy = (server_cpu_s() - server0) / wall
+    print_spy(args, spy, f"extract-{where.name}-{conc}", "hsdump extract and its workers")
     (args.out / "kimi_extract.log").open("a").write(f"## {where} {conc}\n{text[-3000:]}\n")
     found = re.search(r"done: .*?([\d,]+) tokens/s", text)
     busy = re.search(r"([\d.]+) cores busy, peak memory ([\d.]+) GB", text)
@@ -106,6 +112,8 @@ def extract(args: argparse.Namespace, rows: list[dict], where: Path, conc: int) 
         "process_wall_s": round(wall, 2),
         "cores_busy": float(busy.group(1)) if busy else None,
         "peak_rss_gb": float(busy.group(2)) if busy else None,
+        "host_cores_busy": round(host_busy, 1),
+        "server_cores_busy": round(server_busy, 1),
         "store": str(work / "store.zarr"),
     }
 
@@ -122,14 +130,33 @@ def record_server(args: argparse.Namespace, tag: str) -> subprocess.Popen[bytes]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def print_spy(args: argparse.Namespace, spy: subprocess.Popen[bytes] | None, tag: str) -> None:
-    """Wait for a record_server() recording and print its busiest stacks."""
+def record_extract(args: argparse.Namespace, pid: int, tag: str) -> subprocess.Popen[bytes]:
+    """py-spy on ``hsdump extract`` and its worker processes, 4 s from 3 s after the start."""
+    out = args.out / f"spy-{tag}.txt"
+    cmd = ["bash", "-c", f"sleep 3; exec {args.spy} record --pid {pid} --subprocesses "
+           f"--duration 4 --rate 200 --format raw --threads --nonblocking -o {out}"]  # fmt: skip
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def host_cpu_s() -> float:
+    """CPU seconds the whole host has been busy (not idle, not waiting for I/O)."""
+    fields = [int(f) for f in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def print_spy(
+    args: argparse.Namespace,
+    spy: subprocess.Popen[bytes] | None,
+    tag: str,
+    what: str = "the scheduler process",
+) -> None:
+    """Wait for a record_server() or record_extract() recording and print its busiest stacks."""
     if spy is None:
         return
     spy.wait()
     raw = args.out / f"spy-{tag}.txt"
     if raw.exists():
-        print(f"py-spy of the scheduler process, {tag}:", flush=True)
+        print(f"py-spy of {what}, {tag}:", flush=True)
         print("\n".join(spy_summary(raw, top=18)), flush=True)
 
 

@@ -1,0 +1,106 @@
+"""What reading and checking one Kimi-sized dump costs: mapped (the client's path) against read.
+
+Publishes dumps of 2048 tokens, K=3 aux layers plus the final state, H=7168 bf16 (117 MB each,
+57,344 bytes a token) into a dump root on /dev/shm through the protocol's writer, then reads each
+one back through `read_dump`, the client's one read path, in two ways side by side in one run,
+alternately:
+
+- mapped: each tensor file mapped copy-on-write with its pages faulted in up front, then scanned
+  for non-finite values and all-zero rows (what the client does);
+- read: each file read into fresh memory block by block and scanned (what it does where a file
+  cannot be mapped, and what it did before).
+
+Each figure is thread CPU seconds per GB of hidden states and GB/s on one thread, for the first
+round and the best of ``--rounds`` rounds. Two arrays stay alive at a time, as in a run where the
+store still holds the sample before. Reading into fresh memory costs most in the first round, when
+the allocator and the kernel hand out pages never used before (as for each dump of a worker that
+has freed none of that size yet); later rounds reuse freed memory.
+
+Run ``python benchmarks/bench_ingest.py`` (``--dumps N --rounds R``; ~10 s on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from hsdump._client import validate
+from hsdump._client.loading import Dump, read_dump
+from hsdump._protocol import DumpMeta, ProducerInfo, write_dump
+
+T, K, H = 2048, 3, 7168
+LAYERS = [2, 4, 5]
+
+
+def publish(root: Path, count: int) -> list[Path]:
+    rng = np.random.default_rng(0)
+    # bf16 bits of values of magnitude 0.25-0.75 with a random sign and mantissa
+    magnitude = rng.integers(0x3E80, 0x3F40, (T, K + 1, H))
+    bits = (magnitude | (rng.integers(0, 2, (T, K + 1, H)) << 15)).astype(np.uint16)
+    aux, final = np.ascontiguousarray(bits[:, :K]), np.ascontiguousarray(bits[:, K])
+    producer = ProducerInfo(name="bench-ingest", version="1")
+    paths = []
+    for i in range(count):
+        meta = DumpMeta(
+            rid=f"r{i}", input_ids=list(range(T)), num_tokens=T, layer_ids=LAYERS,
+            final_norm="post_norm", hidden_size=H, dtype="bfloat16", aux_shape=(T, K, H),
+            final_shape=(T, H), producer=producer,
+        )  # fmt: skip
+        paths.append(write_dump(root, meta, aux, final))
+    return paths
+
+
+@contextmanager
+def reading_only() -> Iterator[None]:
+    """The client's fallback: the kernel refuses the advice that fills a mapping."""
+    advice = validate._MADV_POPULATE_READ
+    validate._MADV_POPULATE_READ = 0x7FFF
+    try:
+        yield
+    finally:
+        validate._MADV_POPULATE_READ = advice
+
+
+def one_round(paths: list[Path]) -> tuple[float, float]:
+    """Thread CPU seconds per GB and GB/s of reading every dump once."""
+    alive: deque[Dump] = deque(maxlen=2)
+    gb = len(paths) * T * (K + 1) * H * 2 / 1e9
+    cpu, wall = time.thread_time(), time.perf_counter()
+    for path in paths:
+        alive.append(read_dump(path))
+    return (time.thread_time() - cpu) / gb, gb / (time.perf_counter() - wall)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dumps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="hsdump-bench-ingest-", dir="/dev/shm"))
+    try:
+        paths = publish(root, args.dumps)
+        rounds: dict[str, list[tuple[float, float]]] = {"mapped": [], "read": []}
+        for _ in range(args.rounds):
+            rounds["mapped"].append(one_round(paths))
+            with reading_only():
+                rounds["read"].append(one_round(paths))
+        for name, runs in rounds.items():
+            first, best = runs[0], min(runs)
+            print(
+                f"{name:<7}: first round {first[0]:.2f} core-s per GB ({first[1]:.2f} GB/s on "
+                f"one thread), best {best[0]:.2f} ({best[1]:.2f} GB/s)"
+            )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
