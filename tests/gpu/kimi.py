@@ -81,7 +81,14 @@ def codec_rate(rows: np.ndarray, threads: int) -> tuple[float, float]:
     return 3 * rows.nbytes / seconds / 1e9, cpu / seconds
 
 
-def extract(args: argparse.Namespace, rows: list[dict], where: Path, conc: int) -> dict:
+def extract(
+    args: argparse.Namespace,
+    rows: list[dict],
+    where: Path,
+    conc: int,
+    extra_env: dict[str, str] | None = None,
+) -> dict:
+    extra_env = extra_env or {}
     work = where / f"kimi-{conc}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -93,7 +100,7 @@ def extract(args: argparse.Namespace, rows: list[dict], where: Path, conc: int) 
         "--workers", str(args.workers),
     ]  # fmt: skip
     t0, host0, server0 = time.perf_counter(), host_cpu_s(), server_cpu_s()
-    env = {**os.environ, "COLUMNS": "250"}
+    env = {**os.environ, "COLUMNS": "250", **extra_env}
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
@@ -302,15 +309,17 @@ def store_diag(args: argparse.Namespace, rows: list[dict], shm: Path) -> None:
 def sweep(args: argparse.Namespace, rows: list[dict], shm: Path, concs, results) -> None:
     """``hsdump extract`` on /dev/shm with each worker count: how the client's share of the cores
     moves the end-to-end rate."""
+    variants = [dict(v.split("=", 1) for v in e.split(",") if v) for e in args.sweep_env.split(";")]
     for workers in (int(w) for w in args.sweep_workers.split(",")):
         args.workers = workers
-        for conc in concs:
-            got = extract(args, rows, shm, conc)
-            shutil.rmtree(got["store"], ignore_errors=True)
-            log(
-                args.out, row="extract sweep", conc=conc, workers=workers, **got,
-                of_dump_only=round(got["tok_per_s"] / results[f"dump-{conc}"], 3),
-            )  # fmt: skip
+        for env in variants:
+            for conc in concs:
+                got = extract(args, rows, shm, conc, env)
+                shutil.rmtree(got["store"], ignore_errors=True)
+                log(
+                    args.out, row="extract sweep", conc=conc, workers=workers, env=env, **got,
+                    of_dump_only=round(got["tok_per_s"] / results[f"dump-{conc}"], 3),
+                )  # fmt: skip
 
 
 def main() -> None:
@@ -326,6 +335,7 @@ def main() -> None:
     p.add_argument("--spy", default="", help="py-spy binary: record the server during dump-only")
     p.add_argument("--sweep-workers", default="", help="e.g. 2,4,8: more extract rows on /dev/shm")
     p.add_argument("--sweep-concs", default="8", help="in flight for the --sweep-workers rows")
+    p.add_argument("--sweep-env", default="", help='e.g. ";HSDUMP_CORES=32": a row per setting')
     p.add_argument("--only-dump", action="store_true", help="server-alone and dump-only rows only")
     p.add_argument("--store-diag", action="store_true",
                    help="after the dump-only rows: store alone in memory on the run's and on "
