@@ -104,7 +104,9 @@ def extract(
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
-    spy = record_extract(args, proc.pid, f"extract-{where.name}-{conc}") if args.spy else None
+    spy = None
+    if args.spy and args.spy_extract:
+        spy = record_extract(args, proc.pid, f"extract-{where.name}-{conc}")
     text, _ = proc.communicate(timeout=400)
     wall = time.perf_counter() - t0
     host_busy = (host_cpu_s() - host0) / wall
@@ -335,6 +337,10 @@ def main() -> None:
     p.add_argument("--spy", default="", help="py-spy binary: record the server during dump-only")
     p.add_argument("--sweep-workers", default="", help="e.g. 2,4,8: more extract rows on /dev/shm")
     p.add_argument("--sweep-concs", default="8", help="in flight for the --sweep-workers rows")
+    p.add_argument(
+        "--spy-extract", action="store_true",
+        help="with --spy, also record hsdump extract and its workers (py-spy slows them)",
+    )  # fmt: skip
     p.add_argument("--sweep-env", default="", help='e.g. ";HSDUMP_CORES=32": a row per setting')
     p.add_argument("--only-dump", action="store_true", help="server-alone and dump-only rows only")
     p.add_argument("--store-diag", action="store_true",
