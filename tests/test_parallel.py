@@ -170,6 +170,12 @@ def _wait_for_commits(proc: subprocess.Popen[bytes], store: Path, count: int) ->
         time.sleep(0.05)  # polls another process's store: there is no event to await
 
 
+def _semaphores() -> set[str]:
+    """Named POSIX semaphores (multiprocessing's live in /dev/shm as ``sem.*``)."""
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("sem.*")} if shm.is_dir() else set()
+
+
 def _group_gone(pgid: int) -> bool:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -203,11 +209,14 @@ def test_a_signal_stops_every_worker_and_leaves_nothing_behind(fake, tmp_path, s
 @pytest.mark.slow
 def test_a_sigkill_of_the_whole_run_then_a_rerun_resumes_exactly(fake, tmp_path) -> None:
     fake.engine.latency = 0.02
+    before = _semaphores()
     proc = _cli(fake, tmp_path, 120)
     _wait_for_commits(proc, tmp_path / "s.zarr", 10)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
     assert _group_gone(proc.pid)
+    # Nothing left in /dev/shm: no named semaphore of a worker (its remover died with the run).
+    assert _semaphores() <= before
     fake.engine.latency = 0.0
     rerun = _cli(fake, tmp_path, 120)
     assert rerun.wait(timeout=150) == 0, (tmp_path / "stderr.log").read_text()

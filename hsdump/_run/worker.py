@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
+import multiprocessing
 import os
 import signal
 from collections import deque
@@ -93,6 +94,7 @@ class WorkerSpec(ExtractorSpec):
 def worker_main(spec: WorkerSpec, conn: Any) -> None:
     """A worker process: extract what the parent sends until it says end (or stop)."""
     _die_with_parent(spec.parent_pid)
+    _locks_leave_nothing_in_shm()
     if spec.cores:
         os.environ[ENV_CORES] = str(spec.cores)  # before any pool is sized
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates a stop
@@ -100,6 +102,18 @@ def worker_main(spec: WorkerSpec, conn: Any) -> None:
         anyio.run(_worker, spec, conn)
     finally:
         conn.close()
+
+
+def _locks_leave_nothing_in_shm() -> None:
+    """Locks made in this process by default (numcodecs' Blosc lock, made at the first encode)
+    are of the ``fork`` kind, whose semaphore is unlinked from /dev/shm as soon as it is made.
+
+    A process started by ``spawn`` makes ``spawn`` its default, and a ``spawn`` lock's semaphore
+    stays in /dev/shm until multiprocessing's resource tracker removes it at exit: a SIGKILL of
+    the whole run kills the tracker too, and one semaphore per worker stayed behind. A worker
+    starts no processes of its own, so the default is only the kind of its locks.
+    """
+    multiprocessing.set_start_method("fork", force=True)
 
 
 def _die_with_parent(parent_pid: int) -> None:
