@@ -14,10 +14,8 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 import os
 import signal
-import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from importlib import resources
 from pathlib import Path
@@ -29,12 +27,13 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from hsdump._cli_report import console, print_summary, progress_view
 from hsdump._exceptions import HsdumpError
 from hsdump._run.signals import GracefulStop, Stopped
 from hsdump._store.objstore import local_side, store_may_exist
 
 if TYPE_CHECKING:
-    from hsdump import ExportSummary, ExtractionSummary, Failure
+    from hsdump import ExportSummary, Failure
     from hsdump._run.inputs import Dataset, InputLimits, Shard
 
 __all__ = ["app", "main"]
@@ -50,7 +49,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
-console = Console(stderr=True)
 out = Console()
 
 
@@ -151,138 +149,6 @@ def _temp_root(dump_dir: Path | None) -> Iterator[Path]:
 
 def _shm() -> str | None:
     return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-
-
-class _ProgressView:
-    """Rich progress: samples, tokens/s, MB/s, compression ratio, ETA by tokens, failures."""
-
-    def __init__(self) -> None:
-        self.summary: ExtractionSummary | None = None
-        self._progress = Progress(
-            TextColumn("[bold]extract"),
-            BarColumn(),
-            TextColumn("{task.fields[samples]} samples"),
-            TextColumn("{task.fields[rate]}"),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[failed]}"),
-            console=console,
-            transient=False,
-        )
-        self._task = self._progress.add_task("extract", total=None, samples="", rate="", failed="")
-
-    def __call__(self, summary: ExtractionSummary) -> None:
-        self.summary = summary
-        ratio = "-" if math.isnan(summary.ratio) else f"{summary.ratio:.2f}x"
-        self._progress.update(
-            self._task,
-            total=summary.tokens_total,
-            completed=summary.tokens_done,
-            samples=f"{summary.samples_done}/{summary.samples_total}",
-            rate=f"{summary.tokens_per_s:,.0f} tok/s {summary.bytes_per_s / 1e6:.1f} MB/s {ratio}",
-            failed=f"[red]{len(summary.failures)} failed" if summary.failures else "",
-        )
-
-    def __enter__(self) -> _ProgressView:
-        self._progress.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._progress.stop()
-
-
-class _LineProgress:
-    """Plain progress lines where stderr is not a terminal (Slurm, nohup, CI): one at the start,
-    then one after a sample once ``every`` seconds have passed since the last."""
-
-    def __init__(self, every: float):
-        self.summary: ExtractionSummary | None = None
-        self._every = every
-        self._last = -math.inf
-
-    def __call__(self, summary: ExtractionSummary) -> None:
-        self.summary = summary
-        if time.monotonic() - self._last >= self._every:
-            self._last = time.monotonic()
-            console.print(_progress_line(summary), highlight=False, soft_wrap=True)
-
-    def __enter__(self) -> _LineProgress:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        pass
-
-
-def _progress_line(summary: ExtractionSummary) -> str:
-    eta = summary.eta_s
-    left = "-" if eta is None else time.strftime("%H:%M:%S", time.gmtime(eta))
-    return (
-        f"progress: {summary.samples_done}/{summary.samples_total} samples, "
-        f"{summary.tokens_per_s:,.0f} tokens/s, {summary.bytes_per_s / 1e9:.2f} GB/s, "
-        f"ETA {left}, {len(summary.failures)} failed"
-    )
-
-
-def _progress_view(log_every: float) -> _ProgressView | _LineProgress:
-    """A live bar on a terminal, else a line every ``log_every`` seconds."""
-    return _ProgressView() if console.is_terminal else _LineProgress(log_every)
-
-
-def _print_summary(
-    summary: ExtractionSummary,
-    failures_path: Path,
-    *,
-    fail_fast: bool = False,
-    signalled: bool = False,
-) -> None:
-    ratio = "n/a" if math.isnan(summary.ratio) else f"{summary.ratio:.2f}x"
-    state = "done"
-    if signalled or summary.interrupted:
-        first_failure = fail_fast and summary.failures and not signalled
-        state = "stopped at the first failure" if first_failure else "interrupted"
-    console.print(
-        f"{state}: {summary.samples_done} samples written, {summary.skipped} skipped, "
-        f"{summary.tokens_done:,} tokens, {summary.bytes_raw / 1e6:.1f} MB raw, "
-        f"{summary.bytes_stored / 1e6:.1f} MB stored ({ratio}), {summary.wall_s:.1f} s, "
-        f"{summary.tokens_per_s:,.0f} tokens/s, {len(summary.failures)} failed",
-        highlight=False,
-    )
-    from hsdump._run.pipeline import QUEUES
-
-    work = {name: s for name, s in summary.stages.items() if name not in QUEUES}
-    if work:
-        busiest = max(work, key=work.__getitem__)
-        stages = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in work.items())
-        console.print(
-            f"time per stage (overlapping): {stages}; busiest: {busiest}", highlight=False
-        )
-    if summary.limit is not None:
-        queued = ", ".join(
-            f"{stage} {summary.stages.get(queue, 0.0):.2f} s (x{summary.occupancy(queue):.1f})"
-            for queue, stage in QUEUES.items()
-        )
-        console.print(
-            f"queued before (overlapping): {queued}; samples waited most for: {summary.limit}",
-            highlight=False,
-        )
-    _print_telemetry(summary)
-    if summary.failures:
-        console.print(f"[red]failures recorded in {failures_path}[/]", highlight=False)
-
-
-def _print_telemetry(summary: ExtractionSummary) -> None:
-    """Which side limits the run: per-stage GB/s and occupancy, cores busy, peak memory."""
-    rates = summary.stage_rates()
-    if rates:
-        stages = ", ".join(
-            f"{name} {gbs:.2f} GB/s x{busy:.1f}" for name, (gbs, busy) in rates.items()
-        )
-        console.print(f"per stage (GB/s while busy x samples in it): {stages}", highlight=False)
-    console.print(
-        f"{summary.workers} worker process(es), {summary.cores_busy:.1f} cores busy, "
-        f"peak memory {summary.peak_rss_bytes / 1e9:.2f} GB",
-        highlight=False,
-    )
 
 
 class _ClientOptions(TypedDict, total=False):
@@ -393,7 +259,7 @@ async def _extract(
         dataset, prior = _read_dataset(options, limits)
         failures_path = failures_path_for(local_side(options.out))
         store_options = options.store_options()
-        view = _progress_view(options.log_every)
+        view = progress_view(options.log_every)
         # A stop signal cancels the run alone: it flushes the store, and the summary follows.
         with (
             open_store(options.out, "a", writer_id=options.writer_id, **store_options) as store,
@@ -417,7 +283,7 @@ async def _extract(
     if summary is None:
         return stop.exit_code or EXIT_INTERRUPTED
     signalled = stop.signum is not None
-    _print_summary(summary, failures_path, fail_fast=options.fail_fast, signalled=signalled)
+    print_summary(summary, failures_path, fail_fast=options.fail_fast, signalled=signalled)
     if signalled:
         return stop.exit_code or EXIT_INTERRUPTED
     return EXIT_OK if summary.ok else EXIT_FAILURES
@@ -432,7 +298,7 @@ def _extract_parallel(options: _ExtractOptions, url: str, dump_dir: Path | None)
 
     dataset, prior = anyio.run(_prepare, options, url, dump_dir)
     failures_path = failures_path_for(local_side(options.out))
-    with _progress_view(options.log_every) as view:
+    with progress_view(options.log_every) as view:
         try:
             summary = run_parallel_extraction(
                 dataset.samples,
@@ -455,9 +321,9 @@ def _extract_parallel(options: _ExtractOptions, url: str, dump_dir: Path | None)
         except KeyboardInterrupt:
             if view.summary is not None:
                 view.summary.interrupted = True
-                _print_summary(view.summary, failures_path)
+                print_summary(view.summary, failures_path)
             raise
-    _print_summary(summary, failures_path, fail_fast=options.fail_fast)
+    print_summary(summary, failures_path, fail_fast=options.fail_fast)
     return EXIT_OK if summary.ok else EXIT_FAILURES
 
 
@@ -476,7 +342,7 @@ def _extract_ray(
     listed = read_server_nodes(servers)
     dataset, prior = _read_dataset(options, input_limits(listed[0][0]))
     failures_path = failures_path_for(local_side(options.out))
-    with _progress_view(options.log_every) as view:
+    with progress_view(options.log_every) as view:
         try:
             summary = run_ray_extraction(
                 dataset.samples, servers=listed, store=options.out, address=address,
@@ -490,7 +356,7 @@ def _extract_ray(
             if stop.signum is None or isinstance(exc, Stopped):
                 raise
             raise Stopped(stop.signum) from exc  # Ray's calls raise a new, plain one
-    _print_summary(summary, failures_path, fail_fast=options.fail_fast)
+    print_summary(summary, failures_path, fail_fast=options.fail_fast)
     return EXIT_OK if summary.ok else EXIT_FAILURES
 
 

@@ -1,0 +1,156 @@
+"""How ``hsdump extract`` reports a run on the console: live progress, then the summary.
+
+A terminal gets a live bar (samples, tokens/s, MB/s, compression ratio, ETA, failures); anywhere
+else (Slurm, nohup, CI) a plain progress line every few seconds. The summary names the stages,
+the queues before them, and which one samples waited in longest.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+if TYPE_CHECKING:
+    from hsdump import ExtractionSummary
+
+__all__ = ["console", "print_summary", "progress_view"]
+
+#: Where the command's messages go (stderr; stdout carries only what a command outputs).
+console = Console(stderr=True)
+
+
+class _ProgressView:
+    """Rich progress: samples, tokens/s, MB/s, compression ratio, ETA by tokens, failures."""
+
+    def __init__(self) -> None:
+        self.summary: ExtractionSummary | None = None
+        self._progress = Progress(
+            TextColumn("[bold]extract"),
+            BarColumn(),
+            TextColumn("{task.fields[samples]} samples"),
+            TextColumn("{task.fields[rate]}"),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[failed]}"),
+            console=console,
+            transient=False,
+        )
+        self._task = self._progress.add_task("extract", total=None, samples="", rate="", failed="")
+
+    def __call__(self, summary: ExtractionSummary) -> None:
+        self.summary = summary
+        ratio = "-" if math.isnan(summary.ratio) else f"{summary.ratio:.2f}x"
+        self._progress.update(
+            self._task,
+            total=summary.tokens_total,
+            completed=summary.tokens_done,
+            samples=f"{summary.samples_done}/{summary.samples_total}",
+            rate=f"{summary.tokens_per_s:,.0f} tok/s {summary.bytes_per_s / 1e6:.1f} MB/s {ratio}",
+            failed=f"[red]{len(summary.failures)} failed" if summary.failures else "",
+        )
+
+    def __enter__(self) -> _ProgressView:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._progress.stop()
+
+
+class _LineProgress:
+    """Plain progress lines where stderr is not a terminal (Slurm, nohup, CI): one at the start,
+    then one after a sample once ``every`` seconds have passed since the last."""
+
+    def __init__(self, every: float):
+        self.summary: ExtractionSummary | None = None
+        self._every = every
+        self._last = -math.inf
+
+    def __call__(self, summary: ExtractionSummary) -> None:
+        self.summary = summary
+        if time.monotonic() - self._last >= self._every:
+            self._last = time.monotonic()
+            console.print(_progress_line(summary), highlight=False, soft_wrap=True)
+
+    def __enter__(self) -> _LineProgress:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
+
+
+def _progress_line(summary: ExtractionSummary) -> str:
+    eta = summary.eta_s
+    left = "-" if eta is None else time.strftime("%H:%M:%S", time.gmtime(eta))
+    return (
+        f"progress: {summary.samples_done}/{summary.samples_total} samples, "
+        f"{summary.tokens_per_s:,.0f} tokens/s, {summary.bytes_per_s / 1e9:.2f} GB/s, "
+        f"ETA {left}, {len(summary.failures)} failed"
+    )
+
+
+def progress_view(log_every: float) -> _ProgressView | _LineProgress:
+    """A live bar on a terminal, else a line every ``log_every`` seconds."""
+    return _ProgressView() if console.is_terminal else _LineProgress(log_every)
+
+
+def print_summary(
+    summary: ExtractionSummary,
+    failures_path: Path,
+    *,
+    fail_fast: bool = False,
+    signalled: bool = False,
+) -> None:
+    ratio = "n/a" if math.isnan(summary.ratio) else f"{summary.ratio:.2f}x"
+    state = "done"
+    if signalled or summary.interrupted:
+        first_failure = fail_fast and summary.failures and not signalled
+        state = "stopped at the first failure" if first_failure else "interrupted"
+    console.print(
+        f"{state}: {summary.samples_done} samples written, {summary.skipped} skipped, "
+        f"{summary.tokens_done:,} tokens, {summary.bytes_raw / 1e6:.1f} MB raw, "
+        f"{summary.bytes_stored / 1e6:.1f} MB stored ({ratio}), {summary.wall_s:.1f} s, "
+        f"{summary.tokens_per_s:,.0f} tokens/s, {len(summary.failures)} failed",
+        highlight=False,
+    )
+    from hsdump._run.pipeline import QUEUES
+
+    work = {name: s for name, s in summary.stages.items() if name not in QUEUES}
+    if work:
+        busiest = max(work, key=work.__getitem__)
+        stages = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in work.items())
+        console.print(
+            f"time per stage (overlapping): {stages}; busiest: {busiest}", highlight=False
+        )
+    if summary.limit is not None:
+        queued = ", ".join(
+            f"{stage} {summary.stages.get(queue, 0.0):.2f} s (x{summary.occupancy(queue):.1f})"
+            for queue, stage in QUEUES.items()
+        )
+        console.print(
+            f"queued before (overlapping): {queued}; samples waited most for: {summary.limit}",
+            highlight=False,
+        )
+    _print_telemetry(summary)
+    if summary.failures:
+        console.print(f"[red]failures recorded in {failures_path}[/]", highlight=False)
+
+
+def _print_telemetry(summary: ExtractionSummary) -> None:
+    """Which side limits the run: per-stage GB/s and occupancy, cores busy, peak memory."""
+    rates = summary.stage_rates()
+    if rates:
+        stages = ", ".join(
+            f"{name} {gbs:.2f} GB/s x{busy:.1f}" for name, (gbs, busy) in rates.items()
+        )
+        console.print(f"per stage (GB/s while busy x samples in it): {stages}", highlight=False)
+    console.print(
+        f"{summary.workers} worker process(es), {summary.cores_busy:.1f} cores busy, "
+        f"peak memory {summary.peak_rss_bytes / 1e9:.2f} GB",
+        highlight=False,
+    )
