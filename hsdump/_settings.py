@@ -38,6 +38,8 @@ class Settings(BaseSettings):
         lease_ttl_s: Seconds a store part's lease on object storage lives without renewal.
         commit_interval_s: Seconds between a store writer's commits while it writes.
         shard_writers: Store shards written at once; None: one per two cores, 2 to 8.
+        store_process: Whether each worker of a multi-process extraction writes its store part
+            from a process of its own, so its client and its store do not share one interpreter.
     """
 
     model_config = SettingsConfigDict(
@@ -57,6 +59,7 @@ class Settings(BaseSettings):
         default=1.0, description="a number of seconds, 0 or more"
     )
     shard_writers: PositiveInt | None = Field(default=None, description="a whole number above 0")
+    store_process: bool = Field(default=False, description="true or false (1 or 0)")
 
 
 def settings() -> Settings:

@@ -70,6 +70,59 @@ def test_workers_store_what_one_process_stores(fake, tmp_path) -> None:
     assert _dumps_left(fake) == []
 
 
+# -- store processes (HSDUMP_STORE_PROCESS=1) ------------------------------------------------
+
+
+def _store_processes() -> list[int]:
+    """Live store processes (``python -m hsdump._store.serve``) started by this test's workers."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"hsdump._store.serve" in argv:
+            found.append(int(entry.name))
+    return found
+
+
+def test_workers_with_store_processes_store_what_one_process_stores(
+    fake, tmp_path, monkeypatch
+) -> None:
+    samples = _samples(16)
+    monkeypatch.setenv("HSDUMP_STORE_PROCESS", "1")
+    summary = _run(fake, tmp_path / "par.zarr", samples)
+    monkeypatch.setenv("HSDUMP_STORE_PROCESS", "0")
+    one = _run(fake, tmp_path / "one.zarr", samples, workers=1, concurrency=1)
+    assert summary.ok and one.ok and summary.samples_done == 16
+    par, ref = _contents(tmp_path / "par.zarr"), _contents(tmp_path / "one.zarr")
+    assert sorted(par) == sorted(ref) == sorted(s.id for s in samples)
+    for sid, (aux, final, ids) in ref.items():
+        assert torch.equal(par[sid][0], aux) and torch.equal(par[sid][1], final)
+        assert par[sid][2] == ids
+    assert summary.bytes_stored > 0 and summary.cpu_s > 0
+    assert _dumps_left(fake) == [] and _store_processes() == []
+
+
+def test_a_store_process_that_dies_costs_its_worker_a_restart_and_nothing_more(
+    fake, tmp_path, monkeypatch
+) -> None:
+    samples, killed = _samples(40), []
+
+    def kill_one(summary) -> None:
+        if not killed and summary.samples_done >= 8 and (found := _store_processes()):
+            os.kill(found[0], signal.SIGKILL)
+            killed.append(found[0])
+
+    monkeypatch.setenv("HSDUMP_STORE_PROCESS", "1")
+    fake.engine.latency = 0.01
+    summary = _run(fake, tmp_path / "s.zarr", samples, progress=kill_one)
+    assert killed and summary.ok
+    assert sorted(_contents(tmp_path / "s.zarr")) == sorted(s.id for s in samples)
+    assert verify_store(tmp_path / "s.zarr").clean
+    assert multiprocessing.active_children() == [] and _store_processes() == []
+
+
 def test_requests_in_flight_stay_bounded_over_all_workers(fake, tmp_path) -> None:
     generate, now, peak = fake.engine.generate, [0], [0]
 
@@ -188,8 +241,14 @@ def _group_gone(pgid: int) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("sig", "codes"), [(signal.SIGTERM, (130, 143)), (signal.SIGINT, (130,))])
-def test_a_signal_stops_every_worker_and_leaves_nothing_behind(fake, tmp_path, sig, codes):
+@pytest.mark.parametrize(
+    ("sig", "codes", "store_process"),
+    [(signal.SIGTERM, (130, 143), "0"), (signal.SIGINT, (130,), "0"), (signal.SIGINT, (130,), "1")],
+)
+def test_a_signal_stops_every_worker_and_leaves_nothing_behind(
+    fake, tmp_path, monkeypatch, sig, codes, store_process
+):
+    monkeypatch.setenv("HSDUMP_STORE_PROCESS", store_process)
     fake.engine.latency = 0.05
     proc = _cli(fake, tmp_path, 200)
     _wait_for_commits(proc, tmp_path / "s.zarr", 1)
@@ -207,7 +266,11 @@ def test_a_signal_stops_every_worker_and_leaves_nothing_behind(fake, tmp_path, s
 
 
 @pytest.mark.slow
-def test_a_sigkill_of_the_whole_run_then_a_rerun_resumes_exactly(fake, tmp_path) -> None:
+@pytest.mark.parametrize("store_process", ["0", "1"])
+def test_a_sigkill_of_the_whole_run_then_a_rerun_resumes_exactly(
+    fake, tmp_path, monkeypatch, store_process
+) -> None:
+    monkeypatch.setenv("HSDUMP_STORE_PROCESS", store_process)
     fake.engine.latency = 0.02
     before = _semaphores()
     proc = _cli(fake, tmp_path, 120)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import io
 import math
-import mmap
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from hsdump._exceptions import (
     ShapeMismatch,
     TokenMismatch,
 )
+from hsdump._mapped import MADV_POPULATE_READ, MappedFile
 from hsdump._protocol import (
     DumpMeta,
     ProducerManifest,
@@ -47,8 +47,8 @@ __all__ = ["Expected", "check_response", "read_checked", "validate_meta"]
 # which slowed every other thread of a busy process on 16 cores; 8 MiB blocks cost 25% more
 # CPU per dump on 2 cores).
 _BLOCK_BYTES = 1 << 21
-# Linux's madvise advice that faults a mapping's pages in for reading (not in Python 3.11's mmap).
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+# Linux's madvise advice that faults a mapping's pages in for reading (a name tests can replace).
+_MADV_POPULATE_READ = MADV_POPULATE_READ
 # Far above any model's hidden size (the largest are ~2**15), far below sizes that overflow.
 _MAX_HIDDEN_SIZE = 1 << 20
 
@@ -315,18 +315,17 @@ class _Shrank(Exception):
     """A mapped file no longer covers the mapping."""
 
 
-def map_private(fd: int, nbytes: int) -> mmap.mmap | None:
+def map_private(fd: int, nbytes: int) -> MappedFile | None:
     """The first ``nbytes`` of ``fd`` mapped copy-on-write, every page present; None where the
-    file system or kernel cannot (the caller then reads the file).
+    file system or kernel cannot (the caller then reads the file). A store process can map the
+    same pages again (`hsdump._mapped.share`).
 
     The pages are faulted in up front (``MADV_POPULATE_READ``), which also proves the file still
     covers the mapping: a file cut short after its size was checked raises `_Shrank` here, instead
     of a SIGBUS at first touch. Without that call (Linux before 5.14) nothing is mapped.
     """
     try:
-        mapped = mmap.mmap(
-            fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-        )
+        mapped = MappedFile.of(fd, nbytes)
     except (OSError, ValueError):
         return None
     try:

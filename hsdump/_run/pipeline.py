@@ -313,6 +313,11 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def _cpu_s(store: object) -> float:
+    """CPU seconds of this process and of the store's own process, when it has one."""
+    return time.process_time() + float(getattr(store, "cpu_s", 0.0))
+
+
 def failures_path_for(store_path: str | os.PathLike[str]) -> Path:
     """The failures file beside a store: ``<store>.failures.jsonl``."""
     path = Path(store_path)
@@ -385,7 +390,7 @@ class _Run:
         self.summary = summary
         self.fatal: StoreError | None = None
         self._write_lock = anyio.Lock()
-        self._cpu_start = time.process_time()
+        self._cpu_start = _cpu_s(store)
         self._store_start = _store_bytes(store)
         stats = _client_stats(client)
         self._client_start = stats.copy() if stats is not None else None
@@ -508,8 +513,9 @@ class _Run:
 
     def _report_counters(self) -> None:
         self._client_stages()
-        self.summary.cpu_s = time.process_time() - self._cpu_start
-        self.summary.peak_rss_bytes = peak_rss_bytes()
+        self.summary.cpu_s = _cpu_s(self.store) - self._cpu_start
+        store_rss = int(getattr(self.store, "peak_rss_bytes", 0))  # a store process's
+        self.summary.peak_rss_bytes = peak_rss_bytes() + store_rss
 
     def _report(self) -> None:
         self._report_counters()

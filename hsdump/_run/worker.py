@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import math
 import multiprocessing
 import os
 import signal
+import sys
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,8 @@ from hsdump._run.pipeline import ExtractionSummary, ExtractorSpec, run_extractio
 from hsdump._types import Sample
 
 __all__ = ["COUNTERS", "STOP_GRACE_S", "WorkerSpec", "worker_main"]
+
+logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 120.0
 COUNTERS = ("samples_done", "tokens_done", "bytes_raw", "bytes_stored", "store_bytes_raw")
@@ -99,9 +103,15 @@ def worker_main(spec: WorkerSpec, conn: Any) -> None:
         os.environ[ENV_CORES] = str(spec.cores)  # before any pool is sized
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates a stop
     try:
-        anyio.run(_worker, spec, conn)
+        lost = anyio.run(_worker, spec, conn)
     finally:
         conn.close()
+    if lost:
+        # The parent sees a worker that died: it redoes its samples and restarts it. The run has
+        # ended (client closed, dumps removed); only the inbox thread, blocked reading the pipe
+        # the parent keeps open, is left, and it would hold a normal exit forever.
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def _locks_leave_nothing_in_shm() -> None:
@@ -124,26 +134,42 @@ def _die_with_parent(parent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # the parent died before prctl took effect
 
 
-async def _worker(spec: WorkerSpec, conn: Any) -> None:
-    """The inbox runs from the start: opening the client already asks the gate (its probe)."""
-    reporter = _Reporter(conn)
+async def _worker(spec: WorkerSpec, conn: Any) -> bool:
+    """The inbox runs from the start: opening the client already asks the gate (its probe).
+
+    Returns True when the store process was lost: the worker then exits as one that died.
+    """
+    from hsdump._store.remote import StoreProcessLost
+
+    reporter, lost = _Reporter(conn), False
     async with anyio.create_task_group() as group:
         inbox = _Inbox(conn, _ParentGate(conn), group)
         group.start_soon(inbox.run)
         group.start_soon(inbox.stop_on_sigterm)
         try:
             await _extract(spec, inbox, reporter)
+        except StoreProcessLost as exc:
+            logger.error("worker %s: %s", spec.writer_id, exc)
+            lost = True
         except HsdumpError as exc:
             conn.send(("fatal", type(exc).__name__, str(exc)))
         finally:
-            reporter.final()
+            if not lost:
+                reporter.final()
             group.cancel_scope.cancel()
+    return lost
 
 
 async def _extract(spec: WorkerSpec, inbox: _Inbox, reporter: _Reporter) -> None:
     from hsdump._client.client import HiddenStateClient
+    from hsdump._settings import settings
+    from hsdump._store.remote import RemoteStore
     from hsdump._store.store import open_store
 
+    # A store process starts first: it imports its dependencies while the client opens.
+    remote = RemoteStore(spec.store, writer_id=spec.writer_id, **spec.store_options) if (
+        settings().store_process
+    ) else None  # fmt: skip
     client = HiddenStateClient(
         spec.url,
         dump_dir=spec.dump_dir,
@@ -151,13 +177,20 @@ async def _extract(spec: WorkerSpec, inbox: _Inbox, reporter: _Reporter) -> None
         gate=inbox.gate,
         **spec.client_options,
     )
-    async with client:
-        with open_store(spec.store, "a", writer_id=spec.writer_id, **spec.store_options) as store:
-            inbox.conn.send(("ready",))
-            await run_extraction(
-                inbox.receive, client=client, store=store, retries=spec.retries,
-                concurrency=spec.concurrency, fail_fast=spec.fail_fast, progress=reporter,
-            )  # fmt: skip
+    try:
+        async with client:
+            options = spec.store_options
+            with remote or open_store(
+                spec.store, "a", writer_id=spec.writer_id, **options
+            ) as store:
+                inbox.conn.send(("ready",))
+                await run_extraction(
+                    inbox.receive, client=client, store=store, retries=spec.retries,
+                    concurrency=spec.concurrency, fail_fast=spec.fail_fast, progress=reporter,
+                )  # fmt: skip
+    finally:
+        if remote is not None:
+            remote.close()  # also when the client never opened: the process ends
 
 
 class _Inbox:

@@ -1,0 +1,161 @@
+"""Tensors another process can map: the pages of a dump, handed over as a file descriptor.
+
+A dump that ingest maps (`hsdump._client.validate.map_private`) is a `MappedFile`: the mapping
+keeps a descriptor of its file, and this module knows it by address. `share` finds the mapping a
+tensor lies in and describes the tensor by that descriptor, its offset and its strides, so a store
+process maps the same pages (`attach`) instead of receiving a copy: the dump's bytes are read from
+memory once more, never copied between processes. A tensor on no known mapping is copied into an
+anonymous memory file first (a copy, but still no pickled bytes).
+
+The descriptor outlives the dump's removal: a removed tmpfs file's pages stay until the last
+descriptor and mapping on them are gone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import mmap
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["MappedFile", "SharedTensor", "attach", "share"]
+
+# Linux's madvise advice that faults a mapping's pages in for reading (not in Python 3.11's mmap).
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
+
+_lock = threading.Lock()
+_known: dict[int, weakref.ref[MappedFile]] = {}  # start address -> mapping
+
+
+class MappedFile(mmap.mmap):
+    """A copy-on-write mapping of a file that keeps a descriptor of the file while it lives."""
+
+    fd: int
+    address: int
+
+    @classmethod
+    def of(cls, fd: int, nbytes: int) -> MappedFile:
+        """Map the first ``nbytes`` of ``fd`` copy-on-write and register the mapping.
+
+        Raises:
+            OSError, ValueError: The file cannot be mapped.
+        """
+        mapped = cls(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        pointer = ctypes.c_char.from_buffer(mapped)  # exports the buffer only for this line
+        mapped.address = ctypes.addressof(pointer)
+        del pointer
+        mapped.fd = os.dup(fd)
+        with _lock:
+            _known[mapped.address] = weakref.ref(mapped)
+        weakref.finalize(mapped, _forget, mapped.address, mapped.fd)
+        return mapped
+
+
+def _forget(address: int, fd: int) -> None:
+    with _lock:
+        _known.pop(address, None)
+    os.close(fd)
+
+
+@dataclass(frozen=True)
+class SharedTensor:
+    """Where a tensor's values lie in the file passed beside it: enough to map them again."""
+
+    length: int  # bytes of the file to map
+    offset: int  # of the tensor's first element
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in bytes
+    dtype: str  # torch's name, e.g. "bfloat16"
+
+
+def share(tensor: torch.Tensor) -> tuple[int, bool, SharedTensor]:
+    """A descriptor of a file holding ``tensor``'s values, whether the caller owns (and closes)
+    it, and where in that file the values are.
+
+    A tensor on a `MappedFile` is described on the mapping's own descriptor (not owned: it closes
+    with the mapping); any other is copied into a fresh anonymous memory file (owned).
+    """
+    bits = _bits(tensor)
+    found = _mapping_of(bits)
+    if found is not None:
+        return found.fd, False, _described(bits, found.address, len(found), tensor)
+    return _copied(bits, tensor)
+
+
+def attach(fd: int, where: SharedTensor) -> torch.Tensor:
+    """The tensor `share` described, on a copy-on-write mapping of ``fd`` (which may be closed
+    after this returns); every page is faulted in here, which also proves the file still covers
+    the mapping (a file cut short would otherwise raise SIGBUS at first touch). On a tmpfs with
+    huge pages that takes ~0.1 ms for 117 MB, on one with 4 KB pages 10-17 ms.
+
+    Raises:
+        OSError, ValueError: ``fd`` cannot be mapped or no longer covers the tensor.
+    """
+    import torch
+
+    prot = mmap.PROT_READ | mmap.PROT_WRITE
+    mapped = mmap.mmap(fd, where.length, flags=mmap.MAP_PRIVATE, prot=prot)
+    mapped.madvise(MADV_POPULATE_READ)
+    dtype = getattr(torch, where.dtype)
+    item = torch.empty((), dtype=dtype).element_size()
+    bits = np.ndarray(
+        where.shape, dtype=f"u{item}", buffer=mapped, offset=where.offset, strides=where.strides
+    )
+    return torch.from_numpy(bits).view(dtype)
+
+
+def _bits(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's bits as an unsigned numpy view with its own strides (no copy)."""
+    import torch
+
+    item = tensor.element_size()
+    unsigned = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[item]
+    return tensor.detach().view(unsigned).numpy().view(f"u{item}")
+
+
+def _mapping_of(bits: np.ndarray) -> MappedFile | None:
+    start = bits.__array_interface__["data"][0]
+    if any(s < 0 for s in bits.strides):
+        return None
+    end = start + sum((n - 1) * s for n, s in zip(bits.shape, bits.strides, strict=True))
+    end += bits.itemsize
+    with _lock:
+        candidates = [ref() for base, ref in _known.items() if base <= start]
+    for mapped in candidates:
+        if mapped is not None and not mapped.closed and end <= mapped.address + len(mapped):
+            return mapped
+    return None
+
+
+def _described(bits: np.ndarray, base: int, length: int, tensor: torch.Tensor) -> SharedTensor:
+    offset = bits.__array_interface__["data"][0] - base
+    return SharedTensor(length, offset, bits.shape, bits.strides, _dtype_name(tensor))
+
+
+def _copied(bits: np.ndarray, tensor: torch.Tensor) -> tuple[int, bool, SharedTensor]:
+    nbytes = max(1, math.prod(bits.shape) * bits.itemsize)
+    fd = os.memfd_create("hsdump-sample", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        with mmap.mmap(fd, nbytes) as target:
+            view = np.ndarray(bits.shape, dtype=bits.dtype, buffer=target)
+            view[...] = bits
+            strides = view.strides
+            del view
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, True, SharedTensor(nbytes, 0, bits.shape, strides, _dtype_name(tensor))
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
