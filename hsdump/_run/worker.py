@@ -170,14 +170,14 @@ async def _extract(spec: WorkerSpec, inbox: _Inbox, reporter: _Reporter) -> None
     remote = RemoteStore(spec.store, writer_id=spec.writer_id, **spec.store_options) if (
         settings().store_process
     ) else None  # fmt: skip
-    client = HiddenStateClient(
-        spec.url,
-        dump_dir=spec.dump_dir,
-        max_in_flight=spec.concurrency,
-        gate=inbox.gate,
-        **spec.client_options,
-    )
     try:
+        client = HiddenStateClient(
+            spec.url,
+            dump_dir=spec.dump_dir,
+            max_in_flight=spec.concurrency,
+            gate=inbox.gate,
+            **spec.client_options,
+        )
         async with client:
             options = spec.store_options
             with remote or open_store(
