@@ -3,7 +3,9 @@
 Each of P processes maps N Kimi-sized samples from files on a tmpfs (as ingest maps dumps), then
 writes them into its own part of a fresh store there; prints aggregate GB/s and cores busy.
 ``attached`` writes in this process, from mappings made as a store process makes them.
-    PYTHONPATH=/tmp/hs:/tmp/site python3 tests/gpu/remote_probe.py /mnt/hsdump-huge 24 1,2
+    PYTHONPATH=/tmp/hs:/tmp/site python3 tests/gpu/remote_probe.py /mnt/hsdump-huge 24 1,2 [CORES]
+CORES sizes each process's pools (default: the host's cores over the processes); on a 2-core
+machine, 16 reproduces the H200's gap between in process and a store process.
 """
 
 from __future__ import annotations
@@ -58,8 +60,10 @@ def _attached(hs):
     return dataclasses.replace(hs, aux_hidden_states=aux, final_hidden_state=final)
 
 
-def _one(kind: str, root: Path, index: int, n: int, procs: int, barrier, results) -> None:
-    os.environ["HSDUMP_CORES"] = str(max(1, (os.cpu_count() or 1) // procs))
+def _one(
+    kind: str, root: Path, index: int, n: int, procs: int, cores: int, barrier, results
+) -> None:
+    os.environ["HSDUMP_CORES"] = str(cores or max(1, (os.cpu_count() or 1) // procs))
     from hsdump import open_store
     from hsdump._store.remote import RemoteStore
 
@@ -87,6 +91,7 @@ def _one(kind: str, root: Path, index: int, n: int, procs: int, barrier, results
 
 def main() -> None:
     root, n = Path(sys.argv[1]) / "remote-probe", int(sys.argv[2])
+    cores = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     kinds = ("local", "attached", "remote")
     for procs in [int(p) for p in (sys.argv[3] if len(sys.argv) > 3 else "1,2").split(",")]:
         for kind in kinds + kinds:
@@ -94,7 +99,7 @@ def main() -> None:
             root.mkdir(parents=True)
             ctx = mp.get_context("spawn")
             barrier, results = ctx.Barrier(procs), ctx.Queue()
-            ps = [ctx.Process(target=_one, args=(kind, root, i, n, procs, barrier, results))
+            ps = [ctx.Process(target=_one, args=(kind, root, i, n, procs, cores, barrier, results))
                   for i in range(procs)]  # fmt: skip
             for p in ps:
                 p.start()
