@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hsdump._protocol import dtype_of_torch, dtype_spec
+
 if TYPE_CHECKING:
     import torch
 
@@ -74,7 +76,7 @@ class SharedTensor:
     offset: int  # of the tensor's first element
     shape: tuple[int, ...]
     strides: tuple[int, ...]  # in bytes
-    dtype: str  # torch's name, e.g. "bfloat16"
+    dtype: str  # the protocol's name, e.g. "bfloat16"
 
 
 def share(tensor: torch.Tensor) -> tuple[int, bool, SharedTensor]:
@@ -83,12 +85,18 @@ def share(tensor: torch.Tensor) -> tuple[int, bool, SharedTensor]:
 
     A tensor on a `MappedFile` is described on the mapping's own descriptor (not owned: it closes
     with the mapping); any other is copied into a fresh anonymous memory file (owned).
+
+    Raises:
+        InputError: The tensor's dtype is not one the protocol has.
     """
-    bits = _bits(tensor)
+    from hsdump._store.codecs import tensor_to_bits
+
+    dtype = dtype_of_torch(tensor.dtype).name
+    bits = tensor_to_bits(tensor)
     found = _mapping_of(bits)
     if found is not None:
-        return found.fd, False, _described(bits, found.address, len(found), tensor)
-    return _copied(bits, tensor)
+        return found.fd, False, _described(bits, found.address, len(found), dtype)
+    return _copied(bits, dtype)
 
 
 def attach(fd: int, where: SharedTensor) -> torch.Tensor:
@@ -100,26 +108,14 @@ def attach(fd: int, where: SharedTensor) -> torch.Tensor:
     Raises:
         OSError, ValueError: ``fd`` cannot be mapped or no longer covers the tensor.
     """
-    import torch
-
     prot = mmap.PROT_READ | mmap.PROT_WRITE
     mapped = mmap.mmap(fd, where.length, flags=mmap.MAP_PRIVATE, prot=prot)
     mapped.madvise(MADV_POPULATE_READ)
-    dtype = getattr(torch, where.dtype)
-    item = torch.empty((), dtype=dtype).element_size()
+    spec = dtype_spec(where.dtype)
     bits = np.ndarray(
-        where.shape, dtype=f"u{item}", buffer=mapped, offset=where.offset, strides=where.strides
+        where.shape, dtype=spec.bits, buffer=mapped, offset=where.offset, strides=where.strides
     )
-    return torch.from_numpy(bits).view(dtype)
-
-
-def _bits(tensor: torch.Tensor) -> np.ndarray:
-    """The tensor's bits as an unsigned numpy view with its own strides (no copy)."""
-    import torch
-
-    item = tensor.element_size()
-    unsigned = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[item]
-    return tensor.detach().view(unsigned).numpy().view(f"u{item}")
+    return spec.tensor_of(bits)
 
 
 def _mapping_of(bits: np.ndarray) -> MappedFile | None:
@@ -136,12 +132,12 @@ def _mapping_of(bits: np.ndarray) -> MappedFile | None:
     return None
 
 
-def _described(bits: np.ndarray, base: int, length: int, tensor: torch.Tensor) -> SharedTensor:
+def _described(bits: np.ndarray, base: int, length: int, dtype: str) -> SharedTensor:
     offset = bits.__array_interface__["data"][0] - base
-    return SharedTensor(length, offset, bits.shape, bits.strides, _dtype_name(tensor))
+    return SharedTensor(length, offset, bits.shape, bits.strides, dtype)
 
 
-def _copied(bits: np.ndarray, tensor: torch.Tensor) -> tuple[int, bool, SharedTensor]:
+def _copied(bits: np.ndarray, dtype: str) -> tuple[int, bool, SharedTensor]:
     nbytes = max(1, math.prod(bits.shape) * bits.itemsize)
     fd = os.memfd_create("hsdump-sample", os.MFD_CLOEXEC)
     try:
@@ -154,8 +150,4 @@ def _copied(bits: np.ndarray, tensor: torch.Tensor) -> tuple[int, bool, SharedTe
     except BaseException:
         os.close(fd)
         raise
-    return fd, True, SharedTensor(nbytes, 0, bits.shape, strides, _dtype_name(tensor))
-
-
-def _dtype_name(tensor: torch.Tensor) -> str:
-    return str(tensor.dtype).removeprefix("torch.")
+    return fd, True, SharedTensor(nbytes, 0, bits.shape, strides, dtype)
