@@ -73,24 +73,36 @@ def test_workers_store_what_one_process_stores(fake, tmp_path) -> None:
 # -- store processes (HSDUMP_STORE_PROCESS=1) ------------------------------------------------
 
 
-def _store_processes() -> list[int]:
-    """Live store processes (``python -m hsdump._store.serve``) started by this test's workers."""
+def _store_processes(mark: str) -> list[int]:
+    """Live store processes (``python -m hsdump._store.serve``) whose environment holds ``mark``:
+    this test's, not those of another run on the same machine."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
+            environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"hsdump._store.serve" in argv:
+        if b"hsdump._store.serve" in argv and f"{_MARK}={mark}".encode() in environ:
             found.append(int(entry.name))
     return found
 
 
+_MARK = "TEST_STORE_PROCESS_MARK"
+
+
+@pytest.fixture
+def store_processes(tmp_path, monkeypatch):
+    """Store processes on for this test; returns a function listing this test's live ones."""
+    monkeypatch.setenv("HSDUMP_STORE_PROCESS", "1")
+    monkeypatch.setenv(_MARK, str(tmp_path))
+    return lambda: _store_processes(str(tmp_path))
+
+
 def test_workers_with_store_processes_store_what_one_process_stores(
-    fake, tmp_path, monkeypatch
+    fake, tmp_path, monkeypatch, store_processes
 ) -> None:
     samples = _samples(16)
-    monkeypatch.setenv("HSDUMP_STORE_PROCESS", "1")
     summary = _run(fake, tmp_path / "par.zarr", samples)
     monkeypatch.setenv("HSDUMP_STORE_PROCESS", "0")
     one = _run(fake, tmp_path / "one.zarr", samples, workers=1, concurrency=1)
@@ -101,26 +113,25 @@ def test_workers_with_store_processes_store_what_one_process_stores(
         assert torch.equal(par[sid][0], aux) and torch.equal(par[sid][1], final)
         assert par[sid][2] == ids
     assert summary.bytes_stored > 0 and summary.cpu_s > 0
-    assert _dumps_left(fake) == [] and _store_processes() == []
+    assert _dumps_left(fake) == [] and store_processes() == []
 
 
 def test_a_store_process_that_dies_costs_its_worker_a_restart_and_nothing_more(
-    fake, tmp_path, monkeypatch
+    fake, tmp_path, store_processes
 ) -> None:
     samples, killed = _samples(40), []
 
     def kill_one(summary) -> None:
-        if not killed and summary.samples_done >= 8 and (found := _store_processes()):
+        if not killed and summary.samples_done >= 8 and (found := store_processes()):
             os.kill(found[0], signal.SIGKILL)
             killed.append(found[0])
 
-    monkeypatch.setenv("HSDUMP_STORE_PROCESS", "1")
     fake.engine.latency = 0.01
     summary = _run(fake, tmp_path / "s.zarr", samples, progress=kill_one)
     assert killed and summary.ok
     assert sorted(_contents(tmp_path / "s.zarr")) == sorted(s.id for s in samples)
     assert verify_store(tmp_path / "s.zarr").clean
-    assert multiprocessing.active_children() == [] and _store_processes() == []
+    assert multiprocessing.active_children() == [] and store_processes() == []
 
 
 def test_requests_in_flight_stay_bounded_over_all_workers(fake, tmp_path) -> None:
