@@ -87,8 +87,11 @@ def test_a_store_process_that_dies_is_a_store_error_and_keeps_its_commits(tmp_pa
     store.write(_states(1))
     store.flush()
     os.kill(store._process.pid, signal.SIGKILL)
-    with pytest.raises(StoreProcessLost, match=r"exited \(code -9\).*a rerun redoes the rest"):
+    with pytest.raises(
+        StoreProcessLost, match=r"exited \(code -9\).*a rerun redoes the rest"
+    ) as lost:
         store.write(_states(2))
+    assert lost.value.sample_id == "s2"
     store.close()  # closed already: nothing more to do
     assert isinstance(StoreProcessLost("x"), StoreError)
     with open_store(tmp_path / "s.zarr", "r") as opened:

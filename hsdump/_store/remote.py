@@ -52,7 +52,9 @@ class RemoteStore:
         self._args = (path, writer_id, options)
         self._where = f"store part {writer_id!r} of {path}"
         self._lock = threading.Lock()
-        self._usage: dict[str, float] = {}
+        # The child's counters as of its last reply: the store's bytes, its CPU and peak memory.
+        self.bytes_raw_written = self.bytes_stored = self.peak_rss_bytes = 0
+        self.cpu_s = 0.0
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._process = subprocess.Popen(
             [sys.executable, "-m", "hsdump._store.serve", str(theirs.fileno()), str(os.getpid())],
@@ -114,7 +116,7 @@ class RemoteStore:
         try:
             return bool(
                 self._call("write", fields, [w for _, _, w in shared], if_exists,
-                           fds=[fd for fd, _, _ in shared])
+                           fds=[fd for fd, _, _ in shared], sample_id=hs.sample_id)
             )  # fmt: skip
         finally:
             for fd, owned, _ in shared:
@@ -141,29 +143,11 @@ class RemoteStore:
     def __contains__(self, sample_id: object) -> bool:
         return isinstance(sample_id, str) and bool(self._call("contains", sample_id))
 
-    @property
-    def bytes_raw_written(self) -> int:
-        """Raw bytes of the samples in the shards written so far (as of the last reply)."""
-        return int(self._usage.get("bytes_raw_written", 0))
-
-    @property
-    def bytes_stored(self) -> int:
-        """Compressed bytes written so far (as of the last reply)."""
-        return int(self._usage.get("bytes_stored", 0))
-
-    @property
-    def cpu_s(self) -> float:
-        """CPU seconds the child has spent (as of the last reply)."""
-        return float(self._usage.get("cpu_s", 0.0))
-
-    @property
-    def peak_rss_bytes(self) -> int:
-        """The child's peak resident memory (as of the last reply)."""
-        return int(self._usage.get("peak_rss_bytes", 0))
-
     # -- the socket ------------------------------------------------------------------------------
 
-    def _call(self, kind: str, *args: Any, fds: list[int] | None = None) -> Any:
+    def _call(
+        self, kind: str, *args: Any, fds: list[int] | None = None, sample_id: str | None = None
+    ) -> Any:
         with self._lock:
             if self._closed:
                 raise _exceptions.StoreClosedError(f"{self._where} is closed")
@@ -173,15 +157,21 @@ class RemoteStore:
                     sendfds(self._sock, fds)
                 reply = pickle.loads(self._conn.recv_bytes())
             except (EOFError, OSError) as exc:
-                lost = self._lost()
+                lost = self._lost(sample_id)
                 self._end()  # nothing more can be sent: a later close has nothing to do
                 raise lost from exc
-        self._usage = reply[-1] or self._usage
+        self._count(reply[-1])
         if reply[0] == "error":
             raise _error(*reply[1:5])
         return reply[1]
 
-    def _lost(self) -> StoreProcessLost:
+    def _count(self, usage: dict[str, float]) -> None:
+        self.bytes_raw_written = int(usage.get("bytes_raw_written", self.bytes_raw_written))
+        self.bytes_stored = int(usage.get("bytes_stored", self.bytes_stored))
+        self.cpu_s = float(usage.get("cpu_s", self.cpu_s))
+        self.peak_rss_bytes = int(usage.get("peak_rss_bytes", self.peak_rss_bytes))
+
+    def _lost(self, sample_id: str | None) -> StoreProcessLost:
         try:
             code = self._process.wait(5.0)
         except subprocess.TimeoutExpired:
@@ -189,7 +179,8 @@ class RemoteStore:
         return StoreProcessLost(
             f"the process writing {self._where} exited (code {code}) before it was closed: "
             "samples it committed are kept, a rerun redoes the rest. If it was out of memory, "
-            "lower --concurrency or the number of workers."
+            "lower --concurrency or the number of workers.",
+            sample_id=sample_id,
         )
 
 

@@ -93,7 +93,8 @@ class _Server:
         except Exception as exc:  # a bug: say what failed in the starter's words
             logger.exception("the store process failed on a %s request", kind)
             message = f"the store process failed: {type(exc).__name__}: {exc}"
-            return ("error", "StoreError", message, None, None, self._usage())
+            sample_id = args[0].get("sample_id") if kind == "write" else None
+            return ("error", "StoreError", message, sample_id, None, self._usage())
         return ("ok", value, self._usage())
 
     def _usage(self) -> dict[str, float]:
