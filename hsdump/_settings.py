@@ -40,6 +40,9 @@ class Settings(BaseSettings):
         shard_writers: Store shards written at once; None: one per two cores, 2 to 8.
         store_process: Whether each worker of a multi-process extraction writes its store part
             from a process of its own, so its client and its store do not share one interpreter.
+        switch_interval_us: The interpreter's switch interval during an extraction run, in
+            microseconds (Python's own is 5000); the server plugin reads the same variable for
+            the scheduler process.
     """
 
     model_config = SettingsConfigDict(
@@ -60,6 +63,9 @@ class Settings(BaseSettings):
     )
     shard_writers: PositiveInt | None = Field(default=None, description="a whole number above 0")
     store_process: bool = Field(default=False, description="true or false (1 or 0)")
+    switch_interval_us: PositiveInt = Field(
+        default=500, description="a whole number of microseconds above 0, for example 500"
+    )
 
 
 def settings() -> Settings:

@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -332,3 +333,39 @@ async def test_a_stored_sample_whose_dataset_tokens_changed_is_a_failure_not_a_s
     )
     assert "(4 tokens, no loss mask) != dataset token digest" in records[1]["message"]
     assert "(4 tokens, with loss mask)" in records[1]["message"]
+
+
+class IntervalStore(MemoryStore):
+    """Records the interpreter's switch interval at each write."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.intervals: list[float] = []
+
+    async def awrite(self, states: HiddenStates) -> None:
+        self.intervals.append(sys.getswitchinterval())
+        await super().awrite(states)
+
+
+@pytest.mark.parametrize("micros", ["250", "2000"])
+async def test_a_run_writes_under_the_set_switch_interval_and_puts_back_the_one_before(
+    server, monkeypatch, micros
+):
+    monkeypatch.setenv("HSDUMP_SWITCH_INTERVAL_US", micros)
+    before = sys.getswitchinterval()
+    store = IntervalStore()
+    await _run(server, store, _samples(2))
+    assert store.intervals == [pytest.approx(int(micros) / 1e6)] * 2
+    assert sys.getswitchinterval() == before
+
+
+async def test_the_switch_interval_is_put_back_when_the_run_stops_on_a_store_error(
+    server, monkeypatch
+):
+    monkeypatch.setenv("HSDUMP_SWITCH_INTERVAL_US", "300")
+    before = sys.getswitchinterval()
+    store = IntervalStore()
+    store.refuse["s0"] = StoreError("no space left on device")
+    with pytest.raises(StoreError):
+        await _run(server, store, _samples(2))
+    assert store.intervals == [pytest.approx(300e-6)] and sys.getswitchinterval() == before

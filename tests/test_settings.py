@@ -26,7 +26,7 @@ def test_defaults_without_variables() -> None:
     s = settings()
     assert s.dump_dir == Path("/dev/shm/hsdump") and s.watcher is None
     assert (s.dump_budget_bytes, s.cores, s.shard_writers) == (None, None, None)
-    assert (s.lease_ttl_s, s.commit_interval_s) == (60.0, 1.0)
+    assert (s.lease_ttl_s, s.commit_interval_s, s.switch_interval_us) == (60.0, 1.0, 500)
 
 
 def test_each_call_reads_the_environment_as_it_is_now(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -38,12 +38,14 @@ def test_each_call_reads_the_environment_as_it_is_now(monkeypatch: pytest.Monkey
         "HSDUMP_LEASE_TTL_S": "7.5",
         "HSDUMP_COMMIT_INTERVAL_S": "0",
         "HSDUMP_SHARD_WRITERS": "1",
+        "HSDUMP_SWITCH_INTERVAL_US": "200",
     }
     for name, value in values.items():
         monkeypatch.setenv(name, value)
     s = settings()
     assert (s.dump_dir, s.watcher, s.dump_budget_bytes) == (Path("/tmp/roots"), "poll", 2 * 10**9)
     assert (s.cores, s.lease_ttl_s, s.commit_interval_s, s.shard_writers) == (3, 7.5, 0.0, 1)
+    assert s.switch_interval_us == 200
     monkeypatch.delenv("HSDUMP_CORES")
     assert settings().cores is None
 
@@ -70,6 +72,7 @@ def test_the_plugins_variables_are_ignored(monkeypatch: pytest.MonkeyPatch) -> N
         ("HSDUMP_LEASE_TTL_S", "nan", "a number of seconds above 0"),
         ("HSDUMP_COMMIT_INTERVAL_S", "-1", "a number of seconds, 0 or more"),
         ("HSDUMP_SHARD_WRITERS", "eight", "a whole number above 0"),
+        ("HSDUMP_SWITCH_INTERVAL_US", "0", "a whole number of microseconds above 0"),
     ],
 )
 def test_a_malformed_value_names_the_variable_its_value_and_what_it_takes(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 from typing import Any
@@ -335,6 +336,18 @@ def test_stats_match_numpy_including_non_finite_values() -> None:
         assert got.std == pytest.approx(finite.std(), rel=1e-6)
         assert got.max_abs == np.abs(finite).max()
     assert [s.layer for s in stats] == [2, 5, 7, "final"]
+
+
+def test_stats_of_finite_values_whose_squares_overflow_float32_are_exact() -> None:
+    sample = make_sample(3)  # 292 rows: the value sits in the second block
+    sample.aux_hidden_states[100, 1, 3] = 1e25  # finite; its square is not, in float32
+    with open_store(MemoryStore(), "a") as store:
+        store.write(sample)
+    values = sample.aux_hidden_states[:, 1].double().numpy().ravel()
+    got = store.stats()[1]
+    assert (got.count, got.non_finite) == (values.size, 0)
+    assert got.std == pytest.approx(values.std(), rel=1e-6) and math.isfinite(got.std)
+    assert got.max_abs == np.abs(values).max()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -31,6 +31,7 @@ import anyio
 import anyio.to_thread
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from hsdump._cores import switch_interval
 from hsdump._exceptions import ConfigError, HsdumpError, SampleExistsError, StoreError
 
 if TYPE_CHECKING:
@@ -566,7 +567,7 @@ async def run_extraction(
         )
     summary = ExtractionSummary(failures=list(prior_failures))
     path = Path(failures_path) if failures_path is not None else None
-    with _FailureLog(path) as log:
+    with switch_interval(), _FailureLog(path) as log:
         for failure in prior_failures:
             log.record(failure)
         policy = _Policy(retries, backoff or Backoff(), fail_fast, progress, line_numbers or {})

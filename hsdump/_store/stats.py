@@ -12,7 +12,7 @@ import math
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from hsdump._protocol import DtypeSpec, dtype_spec
+from hsdump._protocol import dtype_spec
 
 __all__ = [
     "BLOCK_ROWS",
@@ -91,11 +91,16 @@ def merge_layer_lists(a: list[LayerStats], b: list[LayerStats]) -> list[LayerSta
 
 
 class RowStats:
-    """Running per-layer statistics over blocks of stored rows ``[n, L, H]`` of float bits.
+    """Per-layer statistics over blocks of stored rows ``[n, L, H]`` of float bits.
 
-    One accumulator per sample: the rows are widened to float32 in a scratch buffer that is
-    reused from block to block (a fresh buffer per block cost page faults: a third of the time),
-    and finite blocks add to running sums, so ``LayerStats`` are built once at the end.
+    One accumulator per sample. Each block costs five numpy calls, each of which releases the
+    interpreter lock: the widening to float32 (into a scratch buffer reused from block to block;
+    a fresh buffer per block cost page faults, a third of the time), the row sums, the row sums of
+    squares, and the two maxima of the bits that give each row's peak magnitude. Their per-row
+    results are kept, and `result` reduces them once: a dozen calls per block made the threads
+    placing samples wait on the lock for each other and for the interpreter's other threads.
+    Rows with a NaN or Inf (or a float32 square that overflows) are taken again on the exact
+    float64 path, from the kept views of their blocks.
 
     Args:
         dtype: The logical dtype of the bits.
@@ -105,24 +110,27 @@ class RowStats:
     def __init__(self, dtype: str, layers: list[int | str]) -> None:
         self._spec = dtype_spec(dtype)
         self._layers = layers
-        n = len(layers)
-        self._sums, self._squares, self._peak = np.zeros(n), np.zeros(n), np.zeros(n)
-        self._finite_rows, self._hidden = 0, 0
-        self._slow: list[LayerStats] = []
+        self._blocks: list[np.ndarray] = []
+        self._sums: list[np.ndarray] = []
+        self._squares: list[np.ndarray] = []
+        self._unsigned: list[np.ndarray] = []
+        self._signed: list[np.ndarray] = []
         self._scratch: np.ndarray | None = None
 
     def add(self, bits: np.ndarray) -> None:
-        """Account rows ``[n, L, H]``, in blocks of at most `BLOCK_ROWS` rows."""
-        self._hidden = bits.shape[2]
+        """Account rows ``[n, L, H]``, in blocks of at most `BLOCK_ROWS` rows.
+
+        The rows must stay as they are until `result` (the views are kept for rows that are not
+        finite).
+        """
         for start in range(0, bits.shape[0], BLOCK_ROWS):
             self._add_block(bits[start : start + BLOCK_ROWS])
 
     def result(self) -> list[LayerStats]:
         """The statistics of every row added so far, one per layer."""
-        shape = (self._finite_rows, len(self._layers), self._hidden)
-        fast = _block_stats(shape, self._sums, self._squares, self._peak, None)
-        total = merge_layer_lists(fast, self._slow)
-        return [p.model_copy(update={"layer": n}) for p, n in zip(total, self._layers, strict=True)]
+        empty = [LayerStats(layer=i) for i in range(len(self._layers))]
+        total = self._reduce() if self._blocks else empty
+        return [p.model_copy(update={"layer": i}) for p, i in zip(total, self._layers, strict=True)]
 
     def _add_block(self, block: np.ndarray) -> None:
         values = self._widen(block)
@@ -130,30 +138,53 @@ class RowStats:
             # einsum sums in SIMD lanes, faster than add.reduce's pairwise sum
             # (benchmarks/bench_store_steps.py); float32 row sums of 7168 values stay within 1e-6
             # of their size.
-            block_sums = np.einsum("tlh->tl", values)
-            block_squares = np.einsum("tlh,tlh->tl", values, values)
-        # A NaN or Inf (or float32 overflow of a square) shows in the row sums: exact path.
-        if np.isfinite(block_sums).all() and np.isfinite(block_squares).all():
-            self._sums += block_sums.sum(0, dtype=np.float64)
-            self._squares += block_squares.sum(0, dtype=np.float64)
-            np.maximum(self._peak, _max_abs(block, self._spec), out=self._peak)
-            self._finite_rows += block.shape[0]
-        else:
-            self._slow = merge_layer_lists(self._slow, _nonfinite_block_stats(values))
+            self._sums.append(np.einsum("tlh->tl", values))
+            self._squares.append(np.einsum("tlh,tlh->tl", values, values))
+        # Without the sign bit, float bits order like magnitudes (DtypeSpec.peak_magnitude).
+        self._unsigned.append(block.max(axis=2))
+        self._signed.append(block.view(f"i{self._spec.itemsize}").max(axis=2))
+        self._blocks.append(block)
+
+    def _reduce(self) -> list[LayerStats]:
+        sums, squares = np.concatenate(self._sums), np.concatenate(self._squares)
+        # A NaN or Inf (or float32 overflow of a square) shows in the row's sums: exact path.
+        fast = np.isfinite(squares).all(axis=1) & np.isfinite(sums).all(axis=1)
+        rows, hidden = int(fast.sum()), self._blocks[0].shape[2]
+        stats = _block_stats(
+            (rows, sums.shape[1], hidden),
+            sums[fast].sum(0, dtype=np.float64),
+            squares[fast].sum(0, dtype=np.float64),
+            self._peak(fast),
+            None,
+        )
+        if rows == fast.shape[0]:
+            return stats
+        bad = self._spec.to_float32(self._rows_where(~fast))
+        return merge_layer_lists(stats, _nonfinite_block_stats(bad))
+
+    def _rows_where(self, pick: np.ndarray) -> np.ndarray:
+        """The kept rows where ``pick`` (one flag per row, in order) is set."""
+        out, start = [], 0
+        for block in self._blocks:
+            mine = pick[start : start + block.shape[0]]
+            start += block.shape[0]
+            if mine.any():
+                out.append(block[mine])
+        return np.concatenate(out)
+
+    def _peak(self, fast: np.ndarray) -> np.ndarray:
+        """Largest magnitude per layer of the finite rows."""
+        if not fast.any():
+            return np.zeros(len(self._layers))
+        unsigned = np.bitwise_and(np.concatenate(self._unsigned)[fast], self._spec.magnitude_mask)
+        signed = np.maximum(np.concatenate(self._signed)[fast], 0).astype(unsigned.dtype)
+        peak = np.maximum(unsigned, signed).max(axis=0)
+        return self._spec.to_float32(np.ascontiguousarray(peak))
 
     def _widen(self, block: np.ndarray) -> np.ndarray:
         if self._scratch is None or self._scratch.shape[1:] != block.shape[1:]:
             self._scratch = np.empty((BLOCK_ROWS, *block.shape[1:]), np.float32)
         return self._spec.to_float32(block, out=self._scratch[: block.shape[0]])
-
-
-def _max_abs(bits: np.ndarray, spec: DtypeSpec) -> np.ndarray:
-    """Largest magnitude per layer of a finite block."""
-    if not bits.shape[0]:
-        return np.zeros(bits.shape[1])
-    # Without the sign bit, float bits order like magnitudes: max the bits, not the floats.
-    peak = np.ascontiguousarray(spec.peak_magnitude(bits, axis=(0, 2)))
-    return spec.to_float32(peak)
 
 
 def _block_stats(

@@ -179,6 +179,7 @@ def _store_part(source: str, dest: str, index: int, workers: int, barrier, resul
 
     os.environ["HSDUMP_CORES"] = str(max(1, (os.cpu_count() or 1) // workers))
     from hsdump import open_store
+    from hsdump._cores import switch_interval
 
     if source.startswith("random:"):
         data = store_probe.samples(int(source.split(":")[1]) // workers, index, scale=(0.6, 0.3))
@@ -188,7 +189,8 @@ def _store_part(source: str, dest: str, index: int, workers: int, barrier, resul
             states = [src[sid] for sid in sorted(src)[index::workers]]
     barrier.wait()
     t0, r0 = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
-    with open_store(dest, "a", writer_id=f"w{index}") as store:
+    # The interpreter's switch interval of an extraction run (HSDUMP_SWITCH_INTERVAL_US).
+    with switch_interval(), open_store(dest, "a", writer_id=f"w{index}") as store:
         for hs in states:
             store.write(hs)
     r1 = resource.getrusage(resource.RUSAGE_SELF)
