@@ -106,7 +106,7 @@ def extract(
     )
     spy = None
     if args.spy and args.spy_extract:
-        spy = record_extract(args, proc.pid, f"extract-{where.name}-{conc}")
+        spy = record_extract(args, proc.pid, f"extract-{where.name}-{conc}", work / "store.zarr")
     text, _ = proc.communicate(timeout=400)
     wall = time.perf_counter() - t0
     host_busy = (host_cpu_s() - host0) / wall
@@ -139,10 +139,14 @@ def record_server(args: argparse.Namespace, tag: str) -> subprocess.Popen[bytes]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def record_extract(args: argparse.Namespace, pid: int, tag: str) -> subprocess.Popen[bytes]:
-    """py-spy on ``hsdump extract`` and its worker processes, 4 s from 3 s after the start."""
+def record_extract(
+    args: argparse.Namespace, pid: int, tag: str, store: Path
+) -> subprocess.Popen[bytes]:
+    """py-spy on ``hsdump extract`` and its worker processes, for 4 s from 1 s after the store
+    appears (the workers' start-up, seconds of imports, is not recorded)."""
     out = args.out / f"spy-{tag}.txt"
-    cmd = ["bash", "-c", f"sleep 3; exec {args.spy} record --pid {pid} --subprocesses "
+    cmd = ["bash", "-c", f"until [ -e {store} ]; do sleep 0.05; done; sleep 1; "
+           f"exec {args.spy} record --pid {pid} --subprocesses "
            f"--duration 4 --rate 200 --format raw --threads --nonblocking -o {out}"]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
