@@ -54,22 +54,25 @@ def main() -> None:
     ]
     for source in ("dump pages", "private memory", "dump pages", "private memory"):
         srcs = [arrays(root / f"d{i}", tokens, source == "private memory") for i in range(samples)]
-
-        def place(i: int) -> None:
-            aux, final, _ = srcs[i]
-            piece = shardbuf.Piece(shards[i % threads], 0, 0, tokens)
-            rs = stats.RowStats("bfloat16", LAYERS)
-            shardbuf.place_sample([piece], aux, final, ids, None, rs)
-
-        with ThreadPoolExecutor(threads) as pool:
-            c0, w0 = time.process_time(), time.perf_counter()
-            list(pool.map(place, range(samples)))
-            wall, cpu = time.perf_counter() - w0, time.process_time() - c0
+        wall, cpu = place_all(srcs, shards, ids, tokens)
         gb = samples * tokens * (K + 1) * H * 2 / 1e9
         print(json.dumps({"source": source, "threads": threads, "gb_s": round(gb / wall, 2),
                           "core_s_per_gb": round(cpu / gb, 3)}), flush=True)  # fmt: skip
-        del srcs
 
+
+def place_all(srcs: list, shards: list, ids: np.ndarray, tokens: int) -> tuple[float, float]:
+    """Place every source on a pool of one thread per shard buffer: wall and CPU seconds."""
+
+    def place(i: int) -> None:
+        aux, final, _ = srcs[i]
+        piece = shardbuf.Piece(shards[i % len(shards)], 0, 0, tokens)
+        rs = stats.RowStats("bfloat16", LAYERS)
+        shardbuf.place_sample([piece], aux, final, ids, None, rs)
+
+    with ThreadPoolExecutor(len(shards)) as pool:
+        c0, w0 = time.process_time(), time.perf_counter()
+        list(pool.map(place, range(len(srcs))))
+        return time.perf_counter() - w0, time.process_time() - c0
 
 if __name__ == "__main__":
     main()
