@@ -74,5 +74,6 @@ def place_all(srcs: list, shards: list, ids: np.ndarray, tokens: int) -> tuple[f
         list(pool.map(place, range(len(srcs))))
         return time.perf_counter() - w0, time.process_time() - c0
 
+
 if __name__ == "__main__":
     main()
