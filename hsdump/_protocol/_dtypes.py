@@ -65,11 +65,14 @@ class DtypeSpec:
         negative magnitude when any value is negative; read signed, to the largest positive
         magnitude when any value is positive.
         """
+        return self.peak_of(bits.max(axis=axis), bits.view(f"i{self.itemsize}").max(axis=axis))
+
+    def peak_of(self, unsigned_max: np.ndarray, signed_max: np.ndarray) -> np.ndarray:
+        """`peak_magnitude` from the two maxima of the bits, read unsigned and read signed."""
         import numpy as np
 
-        unsigned = np.bitwise_and(bits.max(axis=axis), self.magnitude_mask)
-        signed = bits.view(f"i{self.itemsize}").max(axis=axis)
-        peak: np.ndarray = np.maximum(unsigned, np.maximum(signed, 0).astype(bits.dtype))
+        unsigned = np.bitwise_and(unsigned_max, self.magnitude_mask)
+        peak: np.ndarray = np.maximum(unsigned, np.maximum(signed_max, 0).astype(unsigned.dtype))
         return peak
 
     def torch_dtype(self) -> torch.dtype:

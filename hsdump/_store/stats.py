@@ -176,9 +176,10 @@ class RowStats:
         """Largest magnitude per layer of the finite rows."""
         if not fast.any():
             return np.zeros(len(self._layers))
-        unsigned = np.bitwise_and(np.concatenate(self._unsigned)[fast], self._spec.magnitude_mask)
-        signed = np.maximum(np.concatenate(self._signed)[fast], 0).astype(unsigned.dtype)
-        peak = np.maximum(unsigned, signed).max(axis=0)
+        rows = self._spec.peak_of(
+            np.concatenate(self._unsigned)[fast], np.concatenate(self._signed)[fast]
+        )
+        peak = rows.max(axis=0)
         return self._spec.to_float32(np.ascontiguousarray(peak))
 
     def _widen(self, block: np.ndarray) -> np.ndarray:
