@@ -43,6 +43,9 @@ class Settings(BaseSettings):
         switch_interval_us: The interpreter's switch interval during an extraction run, in
             microseconds (Python's own is 5000); the server plugin reads the same variable for
             the scheduler process.
+        value_checks: Where an extraction run checks the values of each dump (finite, no vector
+            all zeros): ``store``, in the store's placement, which reads every byte anyway
+            (where the store and the client support it); ``ingest``, as each dump is read.
     """
 
     model_config = SettingsConfigDict(
@@ -65,6 +68,9 @@ class Settings(BaseSettings):
     store_process: bool = Field(default=False, description="true or false (1 or 0)")
     switch_interval_us: PositiveInt = Field(
         default=500, description="a whole number of microseconds above 0, for example 500"
+    )
+    value_checks: Literal["store", "ingest"] = Field(
+        default="store", description="one of store, ingest"
     )
 
 

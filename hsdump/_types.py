@@ -94,6 +94,9 @@ class HiddenStates:
         loss_mask: Optional uint8/bool tensor ``[T]``.
         meta: The dump's metadata when it came from a server, else None.
         attrs: Free-form provenance (for example, what the store recorded).
+        values_checked: False when the values have not been checked yet (finite, no vector of
+            all zeros): `HiddenStateClient.extract` with ``defer_value_checks=True`` leaves that
+            check to the `HiddenStateStore` that writes them, which refuses such a sample.
     """
 
     sample_id: str
@@ -104,6 +107,7 @@ class HiddenStates:
     loss_mask: torch.Tensor | None = None
     meta: DumpMeta | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
+    values_checked: bool = True
 
     @property
     def num_tokens(self) -> int:

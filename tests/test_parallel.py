@@ -202,6 +202,23 @@ def test_failures_in_workers_are_recorded_with_their_dataset_line(fake, tmp_path
     assert (record["id"], record["line"], record["error"]) == ("s3", 4, "DumpFailed")
 
 
+def test_a_sample_a_workers_store_refuses_is_recorded_and_the_rest_is_stored(
+    fake, tmp_path
+) -> None:
+    samples = _samples(6)
+    bad = samples[2].input_ids
+    from hsdump.testing import Fault
+
+    fake.engine.fault_for = lambda rid, ids: Fault("nan") if ids == bad else None
+    summary = _run(fake, tmp_path / "s.zarr", samples)
+    assert [(f.sample_id, f.error) for f in summary.failures] == [("s2", "NonFiniteValues")]
+    assert summary.samples_done == 5 and summary.tokens_done == sum(
+        len(s.input_ids) for s in samples if s.input_ids != bad
+    )
+    assert sorted(_contents(tmp_path / "s.zarr")) == sorted(s.id for s in samples if s.id != "s2")
+    assert verify_store(tmp_path / "s.zarr").clean
+
+
 # -- the CLI in a process of its own: signals and SIGKILL ---------------------------------------
 
 

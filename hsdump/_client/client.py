@@ -312,11 +312,19 @@ class HiddenStateClient:
 
     # -- extraction --------------------------------------------------------------------------
 
-    async def extract(self, sample: Sample) -> HiddenStates:
+    async def extract(self, sample: Sample, *, defer_value_checks: bool = False) -> HiddenStates:
         """Run ``sample`` through the server and return its verified hidden states.
 
         One attempt with a fresh request id; errors are `HsdumpError` subclasses whose
         ``transient`` attribute says whether a retry may succeed.
+
+        Args:
+            sample: The sample.
+            defer_value_checks: Leave the check of the values (finite, no vector all zeros) to
+                the `HiddenStateStore` that writes them, which takes it in the pass that places
+                them, and refuses the sample there (`HiddenStates.values_checked` is then
+                False). Identity, tokens, shapes, layers and dtype are checked here as always.
+                Only taken when what the dumps must hold comes from the producer manifest.
         """
         if self._state is not _State.OPEN:
             raise ConfigError(f"this client is {self._state.value}: use it inside `async with`")
@@ -325,7 +333,7 @@ class HiddenStateClient:
         nbytes = _META_BYTES + len(sample.input_ids) * (self._row_bytes() + _META_BYTES_PER_TOKEN)
         await self.budget.acquire(nbytes)
         try:
-            return await self._extract_once(sample)
+            return await self._extract_once(sample, defer_value_checks)
         except HsdumpError as exc:
             name = type(exc).__name__
             self.stats.failures[name] = self.stats.failures.get(name, 0) + 1
@@ -334,7 +342,7 @@ class HiddenStateClient:
             with anyio.CancelScope(shield=True):
                 await self.budget.release(nbytes)
 
-    async def _extract_once(self, sample: Sample) -> HiddenStates:
+    async def _extract_once(self, sample: Sample, defer_value_checks: bool) -> HiddenStates:
         rid = self._lease.new_rid()
         path = None
         try:
@@ -344,15 +352,22 @@ class HiddenStateClient:
                 self._abandon(rid)
         queued = time.perf_counter()
         states, began = await anyio.to_thread.run_sync(
-            self._ingest, sample, rid, path, limiter=self._ingest_limiter
+            self._ingest, sample, rid, path, defer_value_checks, limiter=self._ingest_limiter
         )
         self._account(states, began - queued, time.perf_counter() - began)
         return states
 
-    def _ingest(self, sample: Sample, rid: str, path: Path) -> tuple[HiddenStates, float]:
+    def _ingest(
+        self, sample: Sample, rid: str, path: Path, defer_value_checks: bool
+    ) -> tuple[HiddenStates, float]:
         began = time.perf_counter()
+        expected = self._expected
+        check_values = not (defer_value_checks and expected.complete)
         try:
-            return load_dump(path, sample=sample, rid=rid, expected=self._expected), began
+            states = load_dump(
+                path, sample=sample, rid=rid, expected=expected, check_values=check_values
+            )
+            return states, began
         finally:
             remove_dump(path)
 

@@ -62,6 +62,7 @@ def read_dump(
     sample_id: str | None = None,
     rid: str | None = None,
     check: Callable[[DumpMeta], None] | None = None,
+    check_values: bool = True,
 ) -> Dump:
     """Read the published dump at ``path`` and check its files and values.
 
@@ -70,6 +71,8 @@ def read_dump(
         sample_id: Named in errors.
         rid: The request id (named in errors); by default the directory's.
         check: Called with the metadata before any tensor is read; raises to refuse the dump.
+        check_values: Check the values (finite, no vector all zeros) as they are read; False
+            leaves that to the caller (a store's placement, `HiddenStates.values_checked`).
 
     Raises:
         DumpFailed: The producer published an ``error`` marker.
@@ -82,7 +85,12 @@ def read_dump(
         meta = read_meta(path, sample_id=sample_id, dir_fd=dir_fd)
         if check is not None:
             check(meta)
-        context: dict[str, Any] = {"sample_id": sample_id, "rid": rid, "dir_fd": dir_fd}
+        context: dict[str, Any] = {
+            "sample_id": sample_id,
+            "rid": rid,
+            "dir_fd": dir_fd,
+            "check_values": check_values,
+        }
         aux = read_checked(
             path / AUX_FILE, meta.aux_shape, meta.dtype, "aux_hidden_states", **context
         )
@@ -92,8 +100,13 @@ def read_dump(
     return Dump(path=path, meta=meta, aux=aux, final=final)
 
 
-def load_dump(path: Path, *, sample: Sample, rid: str, expected: Expected) -> HiddenStates:
+def load_dump(
+    path: Path, *, sample: Sample, rid: str, expected: Expected, check_values: bool = True
+) -> HiddenStates:
     """Read the dump at ``path``, check it belongs to ``sample`` (sent as ``rid``), and load it.
+
+    With ``check_values`` False the values are left unchecked (`HiddenStates.values_checked`);
+    that is only allowed when ``expected`` is complete (it learns nothing from such a dump).
 
     The directory is opened without following a link and every file is read relative to it, so a
     dump that is a link or holds one is refused (DumpValidationError), never read.
@@ -105,7 +118,9 @@ def load_dump(path: Path, *, sample: Sample, rid: str, expected: Expected) -> Hi
             meta, path, rid=rid, input_ids=sample.input_ids, sample_id=sample.id, expected=expected
         )
 
-    dump = read_dump(path, sample_id=sample.id, rid=rid, check=belongs)
+    if not (check_values or expected.complete):
+        raise ValueError("a dump's values may go unchecked only against complete expectations")
+    dump = read_dump(path, sample_id=sample.id, rid=rid, check=belongs, check_values=check_values)
     meta = dump.meta
     expected.remember(meta)  # only now: a refused dump must not set what the next are held to
     mask = None if sample.loss_mask is None else torch.tensor(sample.loss_mask, dtype=torch.uint8)
@@ -117,4 +132,5 @@ def load_dump(path: Path, *, sample: Sample, rid: str, expected: Expected) -> Hi
         layer_ids=list(meta.layer_ids),
         loss_mask=mask,
         meta=meta,
+        values_checked=check_values,
     )

@@ -20,11 +20,9 @@ import numpy as np
 
 from hsdump._client.limits import local_model_config
 from hsdump._exceptions import (
-    DegenerateValues,
     DtypeMismatch,
     DumpValidationError,
     LayerMismatch,
-    NonFiniteValues,
     RidMismatch,
     ServerConfigError,
     ServerResponseError,
@@ -38,6 +36,7 @@ from hsdump._protocol import (
     check_file_size,
     dtype_spec,
     open_dump_file,
+    value_error,
 )
 
 __all__ = ["Expected", "check_response", "read_checked", "validate_meta"]
@@ -133,6 +132,11 @@ class Expected:
         ):
             if problem:  # only reached while nothing is expected yet
                 raise error(f"the dump claims {problem}", sample_id=sample_id, rid=meta.rid)
+
+    @property
+    def complete(self) -> bool:
+        """Whether every field is set, so no dump's metadata would be learnt (`remember`)."""
+        return None not in (self.layer_ids, self.hidden_size, self.dtype, self.final_norm)
 
     def remember(self, meta: DumpMeta) -> None:
         """Take what is still unset from ``meta``, a dump that passed every check."""
@@ -260,6 +264,7 @@ def read_checked(
     sample_id: str | None = None,
     rid: str,
     dir_fd: int | None = None,
+    check_values: bool = True,
 ) -> np.ndarray:
     """A dump's tensor file as an array, checked block by block while each block is in cache.
 
@@ -270,9 +275,9 @@ def read_checked(
     pages, which outlive the dump's removal, and writing to it touches only this process's copy.
     Where a file cannot be mapped, it is read into fresh memory instead.
 
-    Raises unless the file holds exactly ``shape`` and every value is finite and no row (or layer
-    of a row) is all zeros. The values arrive as their raw bits (``uint16`` for bf16 and fp16,
-    ``uint32`` for fp32: `bits`).
+    Raises unless the file holds exactly ``shape`` and, with ``check_values``, every value is
+    finite and no row (or layer of a row) is all zeros. The values arrive as their raw bits
+    (``uint16`` for bf16 and fp16, ``uint32`` for fp32: `bits`).
     """
     if min(shape, default=0) < 0:
         raise ShapeMismatch(
@@ -296,7 +301,8 @@ def read_checked(
                 block = out[start : start + rows]
                 if mapped is None:
                     _read_exact(fh, block, file, sample_id=sample_id, rid=rid)
-                _check_block(block, start, dtype, name, sample_id=sample_id, rid=rid)
+                if check_values:
+                    _check_block(block, start, dtype, name, sample_id=sample_id, rid=rid)
     except _Shrank as exc:
         raise DumpValidationError(
             f"{file} holds fewer than its {nbytes} bytes now: it shrank after its size was "
@@ -358,37 +364,14 @@ def _read_exact(
 def _check_block(
     block: np.ndarray, start: int, dtype: str, name: str, *, sample_id: str | None, rid: str
 ) -> None:
-    bad, zero = _scan_block(block, dtype)
-    if bad is not None:
-        raise NonFiniteValues(
-            f"{name} has NaN or Inf at token {start + bad}. The server produced non-finite "
-            "activations (check the model's dtype and weights).",
-            sample_id=sample_id,
-            rid=rid,
-        )
-    if zero is not None:
-        raise DegenerateValues(
-            f"{name} is all zeros at token {start + zero}: the server did not fill this row "
-            "(a capture bug, e.g. an unsupported model or padding).",
-            sample_id=sample_id,
-            rid=rid,
-        )
-
-
-def _scan_block(block: np.ndarray, dtype: str) -> tuple[int | None, int | None]:
-    """First row with a non-finite value, and first row with an all-zero vector, in ``block``."""
     spec = dtype_spec(dtype)
-    # Without the sign bit, a float's bits order like its magnitude, and its exponent is all
-    # ones (Inf/NaN) exactly when they reach the mask: one peak per vector finds both.
-    peak = spec.peak_magnitude(block, axis=-1)
-    if peak.size and peak.max() < spec.exponent_mask and peak.min() > 0:
-        return None, None  # the usual case, settled on the small array of peaks
-    nonfinite, nonzero = peak >= spec.exponent_mask, peak > 0  # -0.0 counts as zero
-    bad_rows = nonfinite.reshape(block.shape[0], -1).any(axis=1)
-    zero_rows = ~nonzero.reshape(block.shape[0], -1).all(axis=1)
-    return _first(np.asarray(bad_rows)), _first(np.asarray(zero_rows))
-
-
-def _first(flags: np.ndarray) -> int | None:
-    hits = np.flatnonzero(flags)
-    return int(hits[0]) if hits.size else None
+    error = value_error(
+        spec.peak_magnitude(block, axis=-1),
+        spec,
+        name=name,
+        start=start,
+        sample_id=sample_id,
+        rid=rid,
+    )
+    if error is not None:
+        raise error

@@ -67,6 +67,7 @@ from hsdump._protocol._reading import (
     read_meta,
     remove_dump,
 )
+from hsdump._protocol._values import bad_rows, value_error
 from hsdump._protocol._writing import (
     DumpWriter,
     write_dump,
@@ -96,6 +97,7 @@ __all__ = [
     "DumpWriter",
     "ProducerInfo",
     "ProducerManifest",
+    "bad_rows",
     "check_file_size",
     "default_dump_dir",
     "dtype_itemsize",
@@ -109,6 +111,7 @@ __all__ = [
     "remove_dump",
     "request_dir",
     "validate_rid",
+    "value_error",
     "write_dump",
     "write_error",
     "write_manifest",

@@ -15,6 +15,7 @@ and memory stays bounded by the workers plus the stream's one slot.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -22,7 +23,7 @@ import os
 import random
 import resource
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
@@ -395,6 +396,8 @@ class _Run:
         self._store_start = _store_bytes(store)
         stats = _client_stats(client)
         self._client_start = stats.copy() if stats is not None else None
+        self._extract = _extract_call(client, store, policy.fail_fast)
+        self._retried: dict[str, int] = {}  # attempts of samples written after a retry
 
     def plan(self, samples: Sequence[Sample]) -> list[Sample]:
         todo = [s for s in samples if s.id not in self.store]
@@ -408,7 +411,7 @@ class _Run:
         """Record a failure if the store holds ``sample.id`` with other tokens (a changed line)."""
         exc = token_change(self.store, sample)
         if exc is not None:
-            self.fail(sample, exc, 0)
+            self.fail(sample.id, exc, 0)
         return exc is not None
 
     async def extractor(
@@ -443,10 +446,10 @@ class _Run:
         """Extract ``sample``, retrying transient failures; None when it failed for good."""
         for attempt in range(1, self.retries + 2):
             try:
-                return sample, await self.client.extract(sample), attempt
+                return sample, await self._extract(sample), attempt
             except HsdumpError as exc:
                 if not exc.transient or attempt > self.retries:
-                    self.fail(sample, exc, attempt)
+                    self.fail(sample.id, exc, attempt)
                     return None
                 self.summary.retries += 1
                 logger.warning("sample %r, attempt %d: %s; retrying", sample.id, attempt, exc)
@@ -470,15 +473,32 @@ class _Run:
                 self.fatal = exc
                 return False
             except HsdumpError as exc:
-                self.fail(sample, exc, attempt)
+                self.fail(sample.id, exc, attempt)
                 return False
         self._add_stage("store_write", time.perf_counter() - started)
         self.summary.samples_done += 1
         self.summary.tokens_done += states.num_tokens
         self.summary.bytes_raw += states.nbytes
+        if attempt > 1 and not states.values_checked:
+            self._retried[sample.id] = attempt
         self.count_stored()
         logger.info("wrote sample %r (%d tokens)", sample.id, states.num_tokens)
-        return True
+        return not self.take_refused()
+
+    def take_refused(self) -> int:
+        """Count the samples the store refused since the last call as failed; how many.
+
+        Only samples written with their values unchecked (``defer_value_checks``) are refused,
+        once their rows are placed: they were counted as written, and are not in the store.
+        """
+        take = getattr(self.store, "take_refused", None)
+        refused = take() if take is not None else []
+        for r in refused:
+            self.summary.samples_done -= 1
+            self.summary.tokens_done -= r.num_tokens
+            self.summary.bytes_raw -= r.raw_bytes
+            self.fail(r.sample_id, r.error, self._retried.pop(r.sample_id, 1))
+        return len(refused)
 
     def count_stored(self) -> None:
         """Follow the store's own counters: it buffers samples and compresses whole shards."""
@@ -494,15 +514,16 @@ class _Run:
                 except StoreError:
                     if self.fatal is None:
                         raise  # else a failed store refuses to flush: report what failed first
+                self.take_refused()
             self.count_stored()
 
-    def fail(self, sample: Sample, exc: HsdumpError, attempts: int) -> None:
+    def fail(self, sample_id: str, exc: HsdumpError, attempts: int) -> None:
         failure = Failure(
-            sample.id, self.lines.get(sample.id), type(exc).__name__, str(exc), attempts
+            sample_id, self.lines.get(sample_id), type(exc).__name__, str(exc), attempts
         )
         self.summary.failures.append(failure)
         self.log.record(failure)
-        logger.error("sample %r failed after %d attempt(s): %s", sample.id, attempts, exc)
+        logger.error("sample %r failed after %d attempt(s): %s", sample_id, attempts, exc)
 
     def _add_stage(self, name: str, seconds: float) -> None:
         self.summary.stages[name] = self.summary.stages.get(name, 0.0) + seconds
@@ -607,6 +628,27 @@ async def _drive(
         summary.finished = time.monotonic()
     if source.left():
         summary.interrupted = True  # fail-fast stopped the run with samples left
+
+
+def _extract_call(
+    client: Extractor, store: SampleSink, fail_fast: bool
+) -> Callable[[Sample], Awaitable[HiddenStates]]:
+    """How the run extracts a sample: with each dump's value check left to the store's placement
+    (``HSDUMP_VALUE_CHECKS=store``) when the client is a `HiddenStateClient` and the store refuses
+    such samples itself (``take_refused``), else with the client's own check. A fail-fast run
+    keeps the client's check: the store tells of a refusal only once the sample's shard is on
+    disk, and such a run stops at the sample that fails."""
+    from hsdump._client.client import HiddenStateClient
+    from hsdump._settings import settings
+
+    if (
+        not fail_fast
+        and settings().value_checks == "store"
+        and isinstance(client, HiddenStateClient)
+        and callable(getattr(store, "take_refused", None))
+    ):
+        return functools.partial(client.extract, defer_value_checks=True)
+    return client.extract
 
 
 def _client_stats(client: Extractor) -> ClientStats | None:

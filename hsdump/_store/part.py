@@ -38,6 +38,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hsdump._cores import cores
+from hsdump._exceptions import DumpValidationError
 from hsdump._settings import settings
 from hsdump._store import zarr_adapter
 from hsdump._store.codecs import bits_dtype, hidden_compressors, small_compressors
@@ -53,7 +54,7 @@ from hsdump._store.integrity import (
     stored_token_digest,
 )
 from hsdump._store.provenance import Provenance
-from hsdump._store.shardbuf import Piece, Placed, ShardBuffer, place_sample
+from hsdump._store.shardbuf import Piece, Placed, ShardBuffer, ValueCheck, place_sample
 from hsdump._store.shardio import FlatChunks, ShardIO, codec_pool
 from hsdump._store.stats import LayerStats, RowStats, merge_layer_lists
 
@@ -68,6 +69,7 @@ __all__ = [
     "PartLayout",
     "PartState",
     "PartWriter",
+    "Refused",
     "load_part_index",
 ]
 
@@ -209,6 +211,16 @@ class _Pending:
     tokens: int
 
 
+@dataclass(frozen=True)
+class Refused:
+    """A sample whose values placement refused (`ValueCheck`): not committed, its rows zeros."""
+
+    sample_id: str
+    num_tokens: int
+    raw_bytes: int
+    error: DumpValidationError
+
+
 def shard_writers() -> int:
     """Full shards written at once: ``HSDUMP_SHARD_WRITERS``, else one per two cores, 2 to 8.
 
@@ -240,6 +252,7 @@ class PartWriter:
         self._on_commit = on_commit
         self._pending: list[_Pending] = []
         self.pending_ids: set[str] = set()
+        self.refused: list[Refused] = []
         self._pending_provenance: Provenance | None = None
         self._open: ShardBuffer | None = None
         self._next = 0
@@ -290,15 +303,17 @@ class PartWriter:
         ids: np.ndarray,
         mask: np.ndarray | None,
         stats: RowStats,
+        check: ValueCheck | None = None,
     ) -> None:
         """Reserve rows for one sample and place them on the codec pool; commit what is on disk.
 
         The rows are copied, checksummed and accounted in ``stats`` by a job while this thread
-        takes the next sample; a shard is written once its jobs are done.
+        takes the next sample; a shard is written once its jobs are done. A sample whose values
+        fail ``check`` is not committed: it lands in `refused` when its shard is on disk.
         """
         offset, length = self._next, aux.shape[0]
         pieces, full = self._reserve(length, ids, mask)
-        placed = codec_pool().submit(place_sample, pieces, aux, final, ids, mask, stats)
+        placed = codec_pool().submit(place_sample, pieces, aux, final, ids, mask, stats, check)
         for piece in pieces:  # one piece per shard: a sample's pieces are consecutive shards
             piece.shard.placing.append(placed)
         for shard in full:
@@ -445,6 +460,19 @@ class PartWriter:
         if not ready:
             return
         self._last_commit = time.monotonic()
+        kept = [p for p in ready if p.placed.result().refused is None]
+        if kept:
+            self._commit(kept)
+        self._pending = self._pending[len(ready) :]
+        self.pending_ids.difference_update(p.sample_id for p in ready)
+        self.refused.extend(
+            Refused(p.sample_id, p.length, p.raw_bytes, refused)
+            for p in ready
+            if (refused := p.placed.result().refused) is not None
+        )
+
+    def _commit(self, ready: list[_Pending]) -> None:
+        """Index ``ready`` (on disk, in order) and make them visible: the commit point."""
         n0, state = self.state.n_committed, self.state
         n1 = n0 + len(ready)
         rows = np.array(
@@ -482,8 +510,6 @@ class PartWriter:
         self.index.sample_ids.extend(sids)
         self.index.rows = np.concatenate([self.index.rows, rows])
         self.index.tokens = np.concatenate([self.index.tokens, tokens])
-        self._pending = self._pending[len(ready) :]
-        self.pending_ids.difference_update(p.sample_id for p in ready)
         self._on_commit(self.index, n0, n1)
 
     # -- arrays ----------------------------------------------------------------------------------

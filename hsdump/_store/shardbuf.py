@@ -16,10 +16,12 @@ from typing import Any
 
 import numpy as np
 
+from hsdump._exceptions import DumpValidationError
+from hsdump._protocol import value_error
 from hsdump._store.integrity import crc32
 from hsdump._store.stats import BLOCK_ROWS, LayerStats, RowStats
 
-__all__ = ["Piece", "Placed", "ShardBuffer", "place_sample"]
+__all__ = ["Piece", "Placed", "ShardBuffer", "ValueCheck", "place_sample"]
 
 
 @dataclass
@@ -60,10 +62,38 @@ class Piece:
 
 @dataclass(frozen=True)
 class Placed:
-    """What placing a sample computed on the way: its checksum and its statistics."""
+    """What placing a sample computed on the way: its checksum and its statistics, or why its
+    values were refused (`ValueCheck`; its rows are then zeros and it is not committed)."""
 
     crc: int
     stats: list[LayerStats]
+    refused: DumpValidationError | None = None
+
+
+@dataclass(frozen=True)
+class ValueCheck:
+    """The value check of a dump that ingest left to placement (`HiddenStates.values_checked`).
+
+    It reads the peaks the statistics keep (`RowStats.peaks`), so it costs no pass of its own,
+    and raises what the client's check raises: aux rows first, then the final rows.
+
+    Attributes:
+        sample_id: Named in the error.
+        rid: The request the dump answered, named in the error.
+        aux_layers: K, the aux layers stored before the final one in each row.
+    """
+
+    sample_id: str
+    rid: str | None
+    aux_layers: int
+
+    def error(self, stats: RowStats) -> DumpValidationError | None:
+        """Why the rows accounted in ``stats`` are refused, if they are."""
+        peaks, k, spec = stats.peaks(), self.aux_layers, stats.spec
+        sample_id, rid = self.sample_id, self.rid
+        return value_error(
+            peaks[:, :k], spec, name="aux_hidden_states", sample_id=sample_id, rid=rid
+        ) or value_error(peaks[:, k], spec, name="final_hidden_state", sample_id=sample_id, rid=rid)
 
 
 def place_sample(
@@ -73,13 +103,16 @@ def place_sample(
     ids: np.ndarray,
     mask: np.ndarray | None,
     stats: RowStats,
+    check: ValueCheck | None = None,
 ) -> Placed:
     """Copy a sample's aux and final rows into its pieces, with its checksum and statistics.
 
     One pass in blocks of `BLOCK_ROWS` rows: each block is copied,
     then checksummed and accounted in ``stats`` while it is in cache (three passes over memory
     were the store's largest cost after the codec). The checksum is zlib's CRC-32 of the stored
-    rows in order, then the token ids, then the mask if any.
+    rows in order, then the token ids, then the mask if any. With ``check``, values that fail it
+    are refused: the rows are zeroed (no bytes of the sample stay in the shard) and
+    ``Placed.refused`` says why.
     """
     k, crc = aux.shape[1], 0
     for p in pieces:
@@ -91,6 +124,11 @@ def place_sample(
             rows[:, k] = final[src]
             crc = crc32(rows.data, crc)
             stats.add(rows)
+    refused = None if check is None else check.error(stats)
+    if refused is not None:
+        for p in pieces:
+            p.shard.rows[p.row : p.row + p.take] = 0
+        return Placed(0, [], refused)
     crc = crc32(ids.data, crc)
     if mask is not None:
         crc = crc32(mask.data, crc)

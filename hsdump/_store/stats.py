@@ -12,7 +12,7 @@ import math
 import numpy as np
 from pydantic import BaseModel, ConfigDict
 
-from hsdump._protocol import dtype_spec
+from hsdump._protocol import DtypeSpec, dtype_spec
 
 __all__ = [
     "BLOCK_ROWS",
@@ -126,6 +126,18 @@ class RowStats:
         for start in range(0, bits.shape[0], BLOCK_ROWS):
             self._add_block(bits[start : start + BLOCK_ROWS])
 
+    @property
+    def spec(self) -> DtypeSpec:
+        """The float format of the bits."""
+        return self._spec
+
+    def peaks(self) -> np.ndarray:
+        """The peak magnitude of every vector added so far, as bits: ``[rows, L]``, in order
+        (`DtypeSpec.peak_magnitude`; what the value check of a dump reads)."""
+        if not self._blocks:
+            return np.zeros((0, len(self._layers)), self._spec.bits_dtype)
+        return self._spec.peak_of(np.concatenate(self._unsigned), np.concatenate(self._signed))
+
     def result(self) -> list[LayerStats]:
         """The statistics of every row added so far, one per layer."""
         empty = [LayerStats(layer=i) for i in range(len(self._layers))]
@@ -176,10 +188,7 @@ class RowStats:
         """Largest magnitude per layer of the finite rows."""
         if not fast.any():
             return np.zeros(len(self._layers))
-        rows = self._spec.peak_of(
-            np.concatenate(self._unsigned)[fast], np.concatenate(self._signed)[fast]
-        )
-        peak = rows.max(axis=0)
+        peak = self.peaks()[fast].max(axis=0)
         return self._spec.to_float32(np.ascontiguousarray(peak))
 
     def _widen(self, block: np.ndarray) -> np.ndarray:

@@ -66,10 +66,12 @@ from hsdump._store.part import (
     PartLayout,
     PartState,
     PartWriter,
+    Refused,
     load_part_index,
 )
 from hsdump._store.provenance import Provenance, check_compatible, provenance_of
 from hsdump._store.reader import PartReader, VerifyReport, verify_parts
+from hsdump._store.shardbuf import ValueCheck
 from hsdump._store.shardio import PARTIAL_SUFFIX
 from hsdump._store.stats import LayerStats, RowStats, merge_layer_lists
 
@@ -419,7 +421,11 @@ class HiddenStateStore:
         aux, final = tensor_to_bits(hs.aux_hidden_states), tensor_to_bits(hs.final_hidden_state)
         # The statistics are taken from the stored rows as they are placed, on the codec pool.
         stats = RowStats(dtype, [*hs.layer_ids, "final"])
-        writer.add(hs.sample_id, aux, final, ids, mask, stats)
+        check = None
+        if not hs.values_checked:  # the client left the check to this pass (`take_refused`)
+            rid = hs.meta.rid if hs.meta is not None else None
+            check = ValueCheck(hs.sample_id, rid, len(hs.layer_ids))
+        writer.add(hs.sample_id, aux, final, ids, mask, stats, check)
 
     def _check_provenance(self, writer: PartWriter, prov: Provenance, sample_id: str) -> None:
         known = writer.provenance
@@ -447,6 +453,16 @@ class HiddenStateStore:
                 f"the store at {self.where} is open read-only: open it with mode='a' to write"
             )
         return self._writer
+
+    def take_refused(self) -> list[Refused]:
+        """The samples written unchecked (`HiddenStates.values_checked` False) whose values were
+        refused since the last call: not committed, and not in the store. Each holds its
+        `DumpValidationError`. They show once their shard is on disk, at the latest on `flush`."""
+        with self._lock:
+            if self._writer is None:
+                return []
+            refused, self._writer.refused = self._writer.refused, []
+            return refused
 
     async def aflush(self) -> None:
         """Async `flush`."""
