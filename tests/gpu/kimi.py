@@ -145,8 +145,9 @@ def record_extract(
     """py-spy on ``hsdump extract`` and its worker processes, for 4 s from 1 s after the store
     appears (the workers' start-up, seconds of imports, is not recorded)."""
     out = args.out / f"spy-{tag}.txt"
+    native = " --native --idle" if args.spy_native else ""
     cmd = ["bash", "-c", f"until [ -e {store} ]; do sleep 0.05; done; sleep 1; "
-           f"exec {args.spy} record --pid {pid} --subprocesses "
+           f"exec {args.spy} record --pid {pid} --subprocesses{native} "
            f"--duration 4 --rate 200 --format raw --threads --nonblocking -o {out}"]  # fmt: skip
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -171,6 +172,8 @@ def print_spy(
     if raw.exists():
         print(f"py-spy of {what}, {tag}:", flush=True)
         print("\n".join(spy_summary(raw, top=18)), flush=True)
+        if args.spy_native:
+            print("\n".join(wait_summary(raw)), flush=True)
 
 
 def _store_part(source: str, dest: str, index: int, workers: int, barrier, results) -> None:
@@ -206,6 +209,43 @@ def _store_part(source: str, dest: str, index: int, workers: int, barrier, resul
 _LOADING = ("__getitem__", "ShardIO.read", "_decode", "open_store (")
 
 
+# Native leaf frames of a thread that is not running: waiting for the interpreter lock, or for
+# something else (work, I/O, a future).
+_GIL_WAIT = ("take_gil",)
+_OTHER_WAIT = ("epoll_wait", "select", "poll", "futex", "pthread_cond", "sem_", "__lll_lock",
+               "nanosleep", "clock_nanosleep", "read", "recv", "accept", "wait")  # fmt: skip
+
+
+def wait_summary(raw: Path) -> list[str]:
+    """From a ``--native --idle`` record: per thread kind, the shares of its samples running,
+    waiting for the interpreter lock, and waiting for anything else."""
+    import collections
+
+    counts: collections.defaultdict[str, collections.Counter[str]] = collections.defaultdict(
+        collections.Counter
+    )
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if any(part in stack for part in _LOADING):
+            continue  # the untimed load of a store-alone process's share
+        frames = stack.split(";")
+        thread = frames[0].split(": ", 1)[-1].rstrip("_0123456789")
+        names = [f.split(" (")[0] for f in frames[1:]]
+        if any(any(g in f for g in _GIL_WAIT) for f in names):
+            state = "gil"
+        elif names and any(w in names[-1] for w in _OTHER_WAIT):
+            state = "waiting"
+        else:
+            state = "running"
+        counts[thread][state] += int(n)
+    lines = ["threads: samples, running / waiting for the GIL / waiting for other things"]
+    for thread, c in sorted(counts.items(), key=lambda kv: -sum(kv[1].values())):
+        total = sum(c.values())
+        shares = " / ".join(f"{100 * c[k] / total:.0f}%" for k in ("running", "gil", "waiting"))
+        lines.append(f"{thread}: {total}, {shares}")
+    return lines
+
+
 def spy_summary(raw: Path, top: int = 25) -> list[str]:
     """The busiest (thread, leaf function) pairs of a py-spy raw record, as lines."""
     import collections
@@ -224,7 +264,12 @@ def spy_summary(raw: Path, top: int = 25) -> list[str]:
 
 
 def store_alone(
-    source: str, where: Path, workers: int, spy: str = "", out: Path | None = None
+    source: str,
+    where: Path,
+    workers: int,
+    spy: str = "",
+    out: Path | None = None,
+    native: bool = False,
 ) -> dict[str, float]:
     """The store-alone row of ``workers`` processes: its rate (``tok_per_s``), the cores they
     kept busy, and their user and system core-seconds and minor faults per GB."""
@@ -243,6 +288,7 @@ def store_alone(
         raw = out / f"spy-store-{workers}.txt"
         cmd = [spy, "record", "--pid", str(procs[0].pid), "--rate", "100",
                "--format", "raw", "--threads", "--idle", "-o", str(raw)]  # fmt: skip
+        cmd += ["--native"] if native else []
         recorder = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     got = [results.get(timeout=600) for _ in procs]
     if recorder is not None and out is not None:
@@ -250,6 +296,8 @@ def store_alone(
         if raw.exists():
             print(f"py-spy of one store-alone process ({workers} processes):", flush=True)
             print("\n".join(spy_summary(raw)), flush=True)
+            if native:
+                print("\n".join(wait_summary(raw)), flush=True)
     for p in procs:
         p.join()
     shutil.rmtree(dest, ignore_errors=True)
@@ -344,8 +392,13 @@ def main() -> None:
     p.add_argument("--sweep-workers", default="", help="e.g. 2,4,8: more extract rows on /dev/shm")
     p.add_argument("--sweep-concs", default="8", help="in flight for the --sweep-workers rows")
     p.add_argument(
-        "--spy-extract", action="store_true",
+        "--spy-extract",
+        action="store_true",
         help="with --spy, also record hsdump extract and its workers (py-spy slows them)",
+    )
+    p.add_argument(
+        "--spy-native", action="store_true",
+        help="with --spy-extract, record native frames and idle threads: who waits for the GIL",
     )  # fmt: skip
     p.add_argument("--sweep-env", default="", help='e.g. ";HSDUMP_CORES=32": a row per setting')
     p.add_argument("--only-dump", action="store_true", help="server-alone and dump-only rows only")
@@ -427,7 +480,7 @@ def main() -> None:
     ceiling_disk = min(disk / stored_fraction, codec) * 1e9 / ROW_BYTES
     ceiling_shm = codec * 1e9 / ROW_BYTES
     for workers in (int(w) for w in args.store_workers.split(",") if w):
-        row = store_alone(source, shm, workers, args.spy, args.out)
+        row = store_alone(source, shm, workers, args.spy, args.out, args.spy_native)
         rate = row.pop("tok_per_s")
         log(
             args.out, row="store alone sweep", on="shm", workers=workers, tok_per_s=round(rate),
