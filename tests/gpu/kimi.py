@@ -149,7 +149,8 @@ def record_extract(
     cmd = ["bash", "-c", f"until [ -e {store} ]; do sleep 0.05; done; sleep 1; "
            f"exec {args.spy} record --pid {pid} --subprocesses{native} "
            f"--duration 4 --rate 200 --format raw --threads --nonblocking -o {out}"]  # fmt: skip
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = (args.out / f"spy-{tag}.log").open("wb")  # py-spy's own messages, when it fails
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
 def host_cpu_s() -> float:
@@ -209,11 +210,23 @@ def _store_part(source: str, dest: str, index: int, workers: int, barrier, resul
 _LOADING = ("__getitem__", "ShardIO.read", "_decode", "open_store (")
 
 
-# Native leaf frames of a thread that is not running: waiting for the interpreter lock, or for
-# something else (work, I/O, a future).
-_GIL_WAIT = ("take_gil",)
-_OTHER_WAIT = ("epoll_wait", "select", "poll", "futex", "pthread_cond", "sem_", "__lll_lock",
-               "nanosleep", "clock_nanosleep", "read", "recv", "accept", "wait")  # fmt: skip
+# Native frames of a thread that is not running. In the H200 host's Python 3.12 `take_gil` is
+# inlined: a thread waiting for the interpreter lock shows `pthread_cond_timedwait` right under a
+# Python frame, one waiting on a Python lock (a queue, a future) under
+# `PyThread_acquire_lock_timed`.
+_LOCK_WAIT = "PyThread_acquire_lock_timed"
+_OTHER_WAIT = ("epoll_wait", "select", "poll", "sem_wait", "nanosleep", "recv", "accept")
+
+
+def _thread_state(frames: list[str]) -> str:
+    if "take_gil" in frames:
+        return "gil"
+    if "pthread_cond_timedwait" in frames:
+        at = frames.index("pthread_cond_timedwait")
+        return "waiting" if frames[at - 1] == _LOCK_WAIT else "gil"
+    if _LOCK_WAIT in frames or any(w in f for f in frames[-2:] for w in _OTHER_WAIT):
+        return "waiting"
+    return "running"
 
 
 def wait_summary(raw: Path) -> list[str]:
@@ -230,14 +243,7 @@ def wait_summary(raw: Path) -> list[str]:
             continue  # the untimed load of a store-alone process's share
         frames = stack.split(";")
         thread = frames[0].split(": ", 1)[-1].rstrip("_0123456789")
-        names = [f.split(" (")[0] for f in frames[1:]]
-        if any(any(g in f for g in _GIL_WAIT) for f in names):
-            state = "gil"
-        elif names and any(w in names[-1] for w in _OTHER_WAIT):
-            state = "waiting"
-        else:
-            state = "running"
-        counts[thread][state] += int(n)
+        counts[thread][_thread_state([f.split(" (")[0] for f in frames[1:]])] += int(n)
     lines = ["threads: samples, running / waiting for the GIL / waiting for other things"]
     for thread, c in sorted(counts.items(), key=lambda kv: -sum(kv[1].values())):
         total = sum(c.values())
