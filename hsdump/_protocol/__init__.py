@@ -67,7 +67,7 @@ from hsdump._protocol._reading import (
     read_meta,
     remove_dump,
 )
-from hsdump._protocol._values import bad_rows, value_error
+from hsdump._protocol._values import value_error
 from hsdump._protocol._writing import (
     DumpWriter,
     write_dump,
@@ -97,7 +97,6 @@ __all__ = [
     "DumpWriter",
     "ProducerInfo",
     "ProducerManifest",
-    "bad_rows",
     "check_file_size",
     "default_dump_dir",
     "dtype_itemsize",

@@ -16,10 +16,10 @@ if TYPE_CHECKING:
 
     from hsdump._protocol._dtypes import DtypeSpec
 
-__all__ = ["bad_rows", "value_error"]
+__all__ = ["value_error"]
 
 
-def bad_rows(peaks: np.ndarray, spec: DtypeSpec) -> tuple[int | None, int | None]:
+def _bad_rows(peaks: np.ndarray, spec: DtypeSpec) -> tuple[int | None, int | None]:
     """The first row with a non-finite value and the first with an all-zero vector, if any.
 
     ``peaks`` holds one peak magnitude per vector, rows first (``[n]`` or ``[n, layers]``).
@@ -44,7 +44,7 @@ def value_error(
     rid: str | None,
 ) -> DumpValidationError | None:
     """The error for the first bad row of tensor ``name`` (rows from token ``start``), if any."""
-    bad, zero = bad_rows(peaks, spec)
+    bad, zero = _bad_rows(peaks, spec)
     if bad is not None:
         return NonFiniteValues(
             f"{name} has NaN or Inf at token {start + bad}. The server produced non-finite "

@@ -460,16 +460,18 @@ class PartWriter:
         if not ready:
             return
         self._last_commit = time.monotonic()
-        kept = [p for p in ready if p.placed.result().refused is None]
+        kept, refused = [], []
+        for p in ready:
+            why = p.placed.result().refused
+            if why is None:
+                kept.append(p)
+            else:
+                refused.append(Refused(p.sample_id, p.length, p.raw_bytes, why))
         if kept:
             self._commit(kept)
         self._pending = self._pending[len(ready) :]
         self.pending_ids.difference_update(p.sample_id for p in ready)
-        self.refused.extend(
-            Refused(p.sample_id, p.length, p.raw_bytes, refused)
-            for p in ready
-            if (refused := p.placed.result().refused) is not None
-        )
+        self.refused.extend(refused)
 
     def _commit(self, ready: list[_Pending]) -> None:
         """Index ``ready`` (on disk, in order) and make them visible: the commit point."""
