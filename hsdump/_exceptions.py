@@ -222,6 +222,10 @@ class DegenerateValues(DumpValidationError):
     """A tensor holds an all-zero row or layer."""
 
 
+class MomentsMismatch(DumpValidationError):
+    """The row moments a producer declared (``moments.bin``) differ from the dump's values."""
+
+
 class StoreError(HsdumpError):
     """The hidden-state store refused an operation or is damaged."""
 

@@ -97,6 +97,10 @@ class HiddenStates:
         values_checked: False when the values have not been checked yet (finite, no vector of
             all zeros): `HiddenStateClient.extract` with ``defer_value_checks=True`` leaves that
             check to the `HiddenStateStore` that writes them, which refuses such a sample.
+        row_moments: Optional float32 ``[T, K + 1, 2]``: the sum and the sum of squares of each
+            aux vector and then the final one, as the producer declared them (``moments.bin``,
+            checked against the values on a few rows). A `HiddenStateStore` takes its per-layer
+            statistics from them instead of computing them; None: it computes them.
     """
 
     sample_id: str
@@ -108,6 +112,7 @@ class HiddenStates:
     meta: DumpMeta | None = None
     attrs: dict[str, Any] = field(default_factory=dict)
     values_checked: bool = True
+    row_moments: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -38,6 +38,7 @@ PUBLIC = [
     "LayerMismatch",
     "LayerStats",
     "LengthBucketSampler",
+    "MomentsMismatch",
     "NonFiniteValues",
     "NotAStoreError",
     "PartLockLostError",

@@ -19,11 +19,14 @@ from hsdump._client.validate import Expected, read_checked, validate_meta
 from hsdump._protocol import (
     AUX_FILE,
     FINAL_FILE,
+    MOMENTS_FILE,
     REQ_PREFIX,
     DumpMeta,
     dtype_spec,
+    moments_error,
     open_dump_dir,
     read_meta,
+    spot_rows,
 )
 from hsdump._types import HiddenStates
 
@@ -42,13 +45,15 @@ class Dump:
     """A published dump as read and checked: ``aux [T, K, H]`` and ``final [T, H]``.
 
     The arrays hold the values' raw bits (``meta.dtype``'s
-    `bits`); `to_torch` views them as floats.
+    `bits`); `to_torch` views them as floats. ``moments`` is ``moments.bin`` (float32
+    ``[T, K + 1, 2]``), spot-checked against the values, when it was read.
     """
 
     path: Path
     meta: DumpMeta
     aux: np.ndarray
     final: np.ndarray
+    moments: np.ndarray | None = None
 
 
 def to_torch(bits: np.ndarray, dtype: str) -> torch.Tensor:
@@ -63,6 +68,7 @@ def read_dump(
     rid: str | None = None,
     check: Callable[[DumpMeta], None] | None = None,
     check_values: bool = True,
+    moments: bool = False,
 ) -> Dump:
     """Read the published dump at ``path`` and check its files and values.
 
@@ -73,11 +79,14 @@ def read_dump(
         check: Called with the metadata before any tensor is read; raises to refuse the dump.
         check_values: Check the values (finite, no vector all zeros) as they are read; False
             leaves that to the caller (a store's placement, `HiddenStates.values_checked`).
+        moments: Read ``moments.bin`` too (the producer announced ``row_moments``) and check it
+            against the values of a few rows (`hsdump._protocol.spot_rows`).
 
     Raises:
         DumpFailed: The producer published an ``error`` marker.
         DumpValidationError: The dump is incomplete, a link or holds one, its metadata is malformed,
             a file's size differs from its shape, or a value is non-finite or a row all zeros.
+        MomentsMismatch: ``moments.bin`` does not describe the dump's values.
     """
     path = Path(path)
     rid = rid or path.name.removeprefix(REQ_PREFIX)
@@ -97,7 +106,32 @@ def read_dump(
         final = read_checked(
             path / FINAL_FILE, meta.final_shape, meta.dtype, "final_hidden_state", **context
         )
-    return Dump(path=path, meta=meta, aux=aux, final=final)
+        declared = _read_moments(path, meta, aux, final, context) if moments else None
+    return Dump(path=path, meta=meta, aux=aux, final=final, moments=declared)
+
+
+def _read_moments(
+    path: Path, meta: DumpMeta, aux: np.ndarray, final: np.ndarray, context: dict[str, Any]
+) -> np.ndarray:
+    """``moments.bin``, read into fresh memory (64 bytes a token), checked on a few rows."""
+    shape = (meta.num_tokens, len(meta.layer_ids) + 1, 2)
+    context = {**context, "check_values": False}
+    bits = read_checked(path / MOMENTS_FILE, shape, "float32", "moments", **context)
+    declared = np.array(bits.view(np.float32))  # a private copy: the mapping goes with the dump
+    rows = spot_rows(meta.num_tokens)
+    error = moments_error(
+        declared,
+        aux,
+        final,
+        meta.dtype,
+        rows,
+        layer_ids=meta.layer_ids,
+        sample_id=context["sample_id"],
+        rid=context["rid"],
+    )
+    if error is not None:
+        raise error
+    return declared
 
 
 def load_dump(
@@ -120,7 +154,14 @@ def load_dump(
 
     if not (check_values or expected.complete):
         raise ValueError("a dump's values may go unchecked only against complete expectations")
-    dump = read_dump(path, sample_id=sample.id, rid=rid, check=belongs, check_values=check_values)
+    dump = read_dump(
+        path,
+        sample_id=sample.id,
+        rid=rid,
+        check=belongs,
+        check_values=check_values,
+        moments=expected.row_moments,
+    )
     meta = dump.meta
     expected.remember(meta)  # only now: a refused dump must not set what the next are held to
     mask = None if sample.loss_mask is None else torch.tensor(sample.loss_mask, dtype=torch.uint8)
@@ -133,4 +174,5 @@ def load_dump(
         loss_mask=mask,
         meta=meta,
         values_checked=check_values,
+        row_moments=None if dump.moments is None else torch.from_numpy(dump.moments),
     )

@@ -58,7 +58,8 @@ class Expected:
 
     A client seeds every field from the producer manifest (`from_manifest`). Fields left
     unset are learnt from the first dump that passes every check (`remember`), so a dump
-    that is refused never sets what the next ones are held to.
+    that is refused never sets what the next ones are held to. ``row_moments`` (every dump holds
+    ``moments.bin``) only ever comes from the manifest.
     """
 
     layer_ids: list[int] | None = None
@@ -66,6 +67,7 @@ class Expected:
     dtype: str | None = None
     final_norm: str | None = None
     source: str = "the run's first dump"
+    row_moments: bool = False
 
     @classmethod
     def from_manifest(
@@ -103,6 +105,7 @@ class Expected:
             dtype=manifest.dtype,
             final_norm=manifest.final_norm,
             source=f"the producer manifest of {manifest.producer.name}",
+            row_moments=manifest.capabilities.row_moments,
         )
 
     def check(self, meta: DumpMeta, sample_id: str) -> None:

@@ -13,6 +13,7 @@ Layout of a dump root::
       .tmp-req_<rid>-<pid>-<hex>/           a dump being written (never read by clients)
       req_<rid>/                            a published dump, renamed into place atomically
         meta.json  aux.bin  final.bin  done     on success
+        moments.bin                             with them, if the producer announces row_moments
         error                                   on failure (JSON with a reason)
 
 A dump is read and removed without following a symbolic link (``O_NOFOLLOW``, then every file
@@ -20,8 +21,8 @@ relative to the opened directory): whoever else can write into the root could ot
 ``req_<rid>`` or one of its files anywhere, and make the client read or delete it.
 
 Modules: ``_names`` (the root's directories, files and request ids), ``_dtypes`` (the float
-formats), ``_models`` (the JSON documents), ``_writing`` (the producer's side), ``_reading`` (the
-consumer's side).
+formats), ``_moments`` (the row moments a producer may declare), ``_models`` (the JSON
+documents), ``_writing`` (the producer's side), ``_reading`` (the consumer's side).
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ from hsdump._protocol._models import (
     DumpMeta,
     ProducerInfo,
     ProducerManifest,
+)
+from hsdump._protocol._moments import (
+    MOMENTS_FILE,
+    SPOT_ROWS,
+    moments_error,
+    row_moments,
+    spot_rows,
 )
 from hsdump._protocol._names import (
     AUX_FILE,
@@ -85,9 +93,11 @@ __all__ = [
     "ERROR_MARKER",
     "FINAL_FILE",
     "META_FILE",
+    "MOMENTS_FILE",
     "PRODUCERS_DIR",
     "PROTOCOL_VERSION",
     "REQ_PREFIX",
+    "SPOT_ROWS",
     "TMP_PREFIX",
     "Capabilities",
     "DType",
@@ -103,12 +113,15 @@ __all__ = [
     "dtype_of_torch",
     "dtype_spec",
     "is_opted_in",
+    "moments_error",
     "open_dump_dir",
     "open_dump_file",
     "read_manifests",
     "read_meta",
     "remove_dump",
     "request_dir",
+    "row_moments",
+    "spot_rows",
     "validate_rid",
     "value_error",
     "write_dump",

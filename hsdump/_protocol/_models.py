@@ -32,6 +32,10 @@ class Capabilities(_Model):
     prefix_cache_guard: bool = Field(
         description="A request with cached prefix tokens gets an error, never a short dump."
     )
+    row_moments: bool = Field(
+        default=False,
+        description="Every dump holds moments.bin, each vector's sum and sum of squares.",
+    )
 
 
 class DumpMeta(_Model):

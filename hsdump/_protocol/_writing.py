@@ -11,8 +11,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from hsdump._protocol._dtypes import dtype_itemsize
+from hsdump._protocol._dtypes import dtype_itemsize, dtype_spec
 from hsdump._protocol._models import DumpErrorInfo, DumpMeta, ProducerInfo, ProducerManifest
+from hsdump._protocol._moments import MOMENTS_FILE, row_moments
 from hsdump._protocol._names import (
     AUX_FILE,
     DONE_MARKER,
@@ -81,6 +82,9 @@ class DumpWriter:
         dtype: The protocol dtype name of the data.
         mapped: Copy rows into memory maps of the files instead of writing them: then several
             threads can fill one file at once (the producer's writer pool does).
+        moments: Also write ``moments.bin``, each vector's sum and sum of squares (for a
+            producer that announces ``capabilities.row_moments``): given with the rows, or
+            computed from them on the CPU.
     """
 
     def __init__(
@@ -93,10 +97,12 @@ class DumpWriter:
         hidden_size: int,
         dtype: str,
         mapped: bool = False,
+        moments: bool = False,
     ):
         self.root = Path(root)
         self.rid = validate_rid(rid)
         self.num_tokens = num_tokens
+        self._dtype, self._shape = dtype, (num_layers, hidden_size)
         self._aux_row = num_layers * hidden_size * dtype_itemsize(dtype)
         self._final_row = hidden_size * dtype_itemsize(dtype)
         self._covered: list[tuple[int, int]] = []
@@ -108,16 +114,20 @@ class DumpWriter:
             _MappedFile(fd, size) if mapped and size else None
             for fd, size in zip(self._fds, sizes, strict=True)
         ]
+        self._moments_row = (num_layers + 1) * 2 * 4  # float32 sum and sum of squares per vector
+        self._moments_fd = self._open(MOMENTS_FILE, self._moments_row) if moments else None
 
     def _open(self, name: str, row_bytes: int) -> int:
         fd = os.open(self.tmp / name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         os.ftruncate(fd, row_bytes * self.num_tokens)
         return fd
 
-    def write_rows(self, start: int, aux: Any, final: Any) -> None:
+    def write_rows(self, start: int, aux: Any, final: Any, moments: Any = None) -> None:
         """Write rows ``[start, start + n)`` from two C-contiguous buffers (bytes-like or arrays).
 
         ``aux`` holds ``n * K * H`` elements in row order ``[n, K, H]``; ``final`` holds ``n * H``.
+        ``moments``, the rows' float32 ``[n, K + 1, 2]`` (`row_moments`), is written when this
+        writer writes ``moments.bin``; without it they are computed here.
         """
         aux_view, final_view = memoryview(aux).cast("B"), memoryview(final).cast("B")
         n = len(final_view) // self._final_row
@@ -131,7 +141,27 @@ class DumpWriter:
                 mapped.copy_in(start * row, view)
             else:
                 os.pwrite(fd, view, start * row)
+        if self._moments_fd is not None:
+            self._write_moments(start, n, aux_view, final_view, moments)
         self._covered.append((start, start + n))
+
+    def _write_moments(
+        self, start: int, n: int, aux: memoryview, final: memoryview, moments: Any
+    ) -> None:
+        assert self._moments_fd is not None
+        if moments is None:
+            import numpy as np
+
+            bits, (k, h) = dtype_spec(self._dtype).bits_dtype, self._shape
+            moments = row_moments(
+                np.frombuffer(aux, bits).reshape(n, k, h),
+                np.frombuffer(final, bits).reshape(n, h),
+                self._dtype,
+            )
+        view = memoryview(moments).cast("B")
+        if len(view) != n * self._moments_row:
+            raise ValueError(f"moments of {len(view)} bytes are not those of {n} rows")
+        os.pwrite(self._moments_fd, view, start * self._moments_row)
 
     def coverage_complete(self) -> bool:
         """Whether the rows written tile ``[0, num_tokens)`` exactly once."""
@@ -150,7 +180,7 @@ class DumpWriter:
             raise ValueError(
                 f"rows written {sorted(self._covered)} do not cover [0, {self.num_tokens})"
             )
-        for fd in self._fds:
+        for fd in self._all_fds():
             os.fsync(fd)  # also writes back pages dirtied through the maps
         _write_json_atomic(self.tmp / META_FILE, meta.model_dump_json())
         (self.tmp / DONE_MARKER).touch()
@@ -171,11 +201,14 @@ class DumpWriter:
             if mapped is not None:
                 mapped.close()
         self._maps = []
-        for fd in self._fds:
+        for fd in self._all_fds():
             if sync:
                 os.fsync(fd)
             os.close(fd)
-        self._fds = []
+        self._fds, self._moments_fd = [], None
+
+    def _all_fds(self) -> list[int]:
+        return self._fds if self._moments_fd is None else [*self._fds, self._moments_fd]
 
     def __enter__(self) -> DumpWriter:
         return self
@@ -185,11 +218,25 @@ class DumpWriter:
             self.abort()
 
 
-def write_dump(root: str | os.PathLike[str], meta: DumpMeta, aux: Any, final: Any) -> Path:
-    """Write and publish a whole dump in one call; returns the published directory."""
+def write_dump(
+    root: str | os.PathLike[str],
+    meta: DumpMeta,
+    aux: Any,
+    final: Any,
+    *,
+    moments: bool = False,
+) -> Path:
+    """Write and publish a whole dump in one call (with ``moments.bin`` when ``moments``);
+    returns the published directory."""
     k, h = len(meta.layer_ids), meta.hidden_size
     with DumpWriter(
-        root, meta.rid, num_tokens=meta.num_tokens, num_layers=k, hidden_size=h, dtype=meta.dtype
+        root,
+        meta.rid,
+        num_tokens=meta.num_tokens,
+        num_layers=k,
+        hidden_size=h,
+        dtype=meta.dtype,
+        moments=moments,
     ) as writer:
         writer.write_rows(0, aux, final)
         return writer.publish(meta)

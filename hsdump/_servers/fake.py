@@ -21,10 +21,12 @@ from hsdump._protocol import (
     Capabilities,
     DType,
     DumpMeta,
+    DumpWriter,
     ProducerInfo,
     ProducerManifest,
     dtype_spec,
     is_opted_in,
+    row_moments,
     write_dump,
     write_error,
     write_manifest,
@@ -51,6 +53,8 @@ FaultKind = Literal[
     "wrong_layers",
     "nan",
     "zero_row",
+    "wrong_moments",
+    "no_moments",
     "response_rid",
     "cached_tokens",
     "dump_first",
@@ -64,7 +68,9 @@ class Fault:
     """How the fake misbehaves for one opted-in request.
 
     Args:
-        kind: What goes wrong (``dump_first``/``response_first`` only reorder, with ``delay``).
+        kind: What goes wrong (``dump_first``/``response_first`` only reorder, with ``delay``;
+            ``wrong_moments`` declares sums of squares off by half, ``no_moments`` leaves
+            ``moments.bin`` out, both only where the capabilities announce ``row_moments``).
         delay: Seconds between the first and the second of response and dump.
     """
 
@@ -102,8 +108,10 @@ class FakeEngine:
         fault_for: Callable[[str, list[int]], Fault | None] | None,
         pool_tokens: int = 0,
         dtype: DType = "bfloat16",
+        moments: bool = False,
     ):
         self.dump_dir = dump_dir
+        self.moments = moments
         self.layer_ids = list(layer_ids)
         self.hidden_size = hidden_size
         self.dtype: DType = dtype
@@ -189,9 +197,28 @@ class FakeEngine:
             producer=PRODUCER,
             model_path="fake",
         )
-        path = write_dump(self.dump_dir, meta, aux, final)
+        path = self._publish(meta, aux, final, fault)
         self.dumped.append(rid)
         return path
+
+    def _publish(self, meta: DumpMeta, aux: np.ndarray, final: np.ndarray, fault: Fault) -> Path:
+        if not self.moments or fault.kind == "no_moments":
+            return write_dump(self.dump_dir, meta, aux, final)
+        declared = row_moments(aux, final, meta.dtype)
+        if fault.kind == "wrong_moments":
+            declared[..., 1] *= 1.5
+        t, k, h = meta.aux_shape
+        with DumpWriter(
+            self.dump_dir,
+            meta.rid,
+            num_tokens=t,
+            num_layers=k,
+            hidden_size=h,
+            dtype=meta.dtype,
+            moments=True,
+        ) as writer:
+            writer.write_rows(0, aux, final, declared)
+            return writer.publish(meta)
 
     def _states(self, ids: list[int], layers: list[int]) -> tuple[np.ndarray, np.ndarray]:
         if self._pool is None or len(ids) > self._pool[0].shape[0]:
@@ -253,7 +280,8 @@ class FakeServer(SGLangCompatibleServer):
         hidden_size: H.
         latency: Seconds each request takes before answering (a stand-in for prefill time).
         server_info: Overrides of the ``/server_info`` body.
-        capabilities: The manifest's capabilities.
+        capabilities: The manifest's capabilities (by default it dumps row moments, and neither
+            assembles chunked prefills nor guards the prefix cache).
         announce: Write the producer manifest (False: look like a server that is not dumping).
         fault_for: Called with (rid, input_ids) of each opted-in request without a queued fault.
         pool_tokens: When positive, dumps slice states from a pre-generated random pool of this
@@ -281,7 +309,7 @@ class FakeServer(SGLangCompatibleServer):
         info.update(server_info or {})
         self.dump_dir = Path(dump_dir)
         self.capabilities = capabilities or Capabilities(
-            chunked_prefill_assembly=False, prefix_cache_guard=False
+            chunked_prefill_assembly=False, prefix_cache_guard=False, row_moments=True
         )
         self.announce = announce
         self.engine: FakeEngine = FakeEngine(
@@ -293,6 +321,7 @@ class FakeServer(SGLangCompatibleServer):
             fault_for=fault_for,
             pool_tokens=pool_tokens,
             dtype=dtype,
+            moments=self.capabilities.row_moments,
         )
         self._manifest_path: Path | None = None
         super().__init__(self.engine, host=host, port=port)

@@ -213,7 +213,9 @@ class ReferenceEngine:
             dtype=self.dtype.name,
             model_path=self.model_path,
             # No prefix cache and no chunking: a capture always covers the whole prompt.
-            capabilities=Capabilities(chunked_prefill_assembly=False, prefix_cache_guard=True),
+            capabilities=Capabilities(
+                chunked_prefill_assembly=False, prefix_cache_guard=True, row_moments=True
+            ),
         )
 
     def server_info(self) -> dict[str, Any]:
@@ -316,7 +318,7 @@ class ReferenceEngine:
             model_path=self.model_path,
         )
         bits = [self.dtype.bits_of(t) for t in (aux, final)]
-        write_dump(self.dump_dir, meta, bits[0], bits[1])
+        write_dump(self.dump_dir, meta, bits[0], bits[1], moments=True)
 
     def _decode(self, ids: list[int], max_new_tokens: int) -> list[int]:
         """A greedy decode without cache, enough for health checks and warmups."""

@@ -48,6 +48,7 @@ __all__ = [
     "local_dir",
     "local_root",
     "lock_part",
+    "moments_of",
     "open_root",
     "os_error",
 ]
@@ -223,6 +224,21 @@ def check_tensors(hs: HiddenStates) -> str:
             sample_id=hs.sample_id,
         )
     return dtype
+
+
+def moments_of(hs: HiddenStates, layers: int) -> np.ndarray | None:
+    """``hs.row_moments`` as a float32 array ``[T, layers, 2]``, or None when not given."""
+    given = hs.row_moments
+    if given is None:
+        return None
+    shape = (hs.num_tokens, layers, 2)
+    if tuple(given.shape) != shape:
+        raise InputError(
+            f"row_moments must be {shape} (a sum and a sum of squares per vector), found "
+            f"{tuple(given.shape)}",
+            sample_id=hs.sample_id,
+        )
+    return np.ascontiguousarray(given.detach().cpu().numpy(), dtype=np.float32)
 
 
 def ids_int32(hs: HiddenStates) -> np.ndarray:

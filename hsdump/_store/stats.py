@@ -102,14 +102,21 @@ class RowStats:
     Rows with a NaN or Inf (or a float32 square that overflows) are taken again on the exact
     float64 path, from the kept views of their blocks.
 
+    With ``moments`` (the producer's row sums and sums of squares, `HiddenStates.row_moments`),
+    a block costs only the two maxima: no widening and no sums.
+
     Args:
         dtype: The logical dtype of the bits.
         layers: One id per layer (axis 1).
+        moments: Float32 ``[rows, L, 2]`` of the rows that will be added, in order, or None.
     """
 
-    def __init__(self, dtype: str, layers: list[int | str]) -> None:
+    def __init__(
+        self, dtype: str, layers: list[int | str], moments: np.ndarray | None = None
+    ) -> None:
         self._spec = dtype_spec(dtype)
         self._layers = layers
+        self._moments, self._added = moments, 0
         self._blocks: list[np.ndarray] = []
         self._sums: list[np.ndarray] = []
         self._squares: list[np.ndarray] = []
@@ -145,13 +152,19 @@ class RowStats:
         return [p.model_copy(update={"layer": i}) for p, i in zip(total, self._layers, strict=True)]
 
     def _add_block(self, block: np.ndarray) -> None:
-        values = self._widen(block)
-        with np.errstate(over="ignore", invalid="ignore"):
-            # einsum sums in SIMD lanes, faster than add.reduce's pairwise sum
-            # (benchmarks/bench_store_steps.py); float32 row sums of 7168 values stay within 1e-6
-            # of their size.
-            self._sums.append(np.einsum("tlh->tl", values))
-            self._squares.append(np.einsum("tlh,tlh->tl", values, values))
+        if self._moments is not None:
+            given = self._moments[self._added : self._added + block.shape[0]]
+            self._sums.append(given[..., 0])
+            self._squares.append(given[..., 1])
+        else:
+            values = self._widen(block)
+            with np.errstate(over="ignore", invalid="ignore"):
+                # einsum sums in SIMD lanes, faster than add.reduce's pairwise sum
+                # (benchmarks/bench_store_steps.py); float32 row sums of 7168 values stay within
+                # 1e-6 of their size.
+                self._sums.append(np.einsum("tlh->tl", values))
+                self._squares.append(np.einsum("tlh,tlh->tl", values, values))
+        self._added += block.shape[0]
         # Without the sign bit, float bits order like magnitudes (DtypeSpec.peak_magnitude).
         self._unsigned.append(block.max(axis=2))
         self._signed.append(block.view(f"i{self._spec.itemsize}").max(axis=2))
@@ -159,8 +172,10 @@ class RowStats:
 
     def _reduce(self) -> list[LayerStats]:
         sums, squares = np.concatenate(self._sums), np.concatenate(self._squares)
-        # A NaN or Inf (or float32 overflow of a square) shows in the row's sums: exact path.
+        # A NaN or Inf (or float32 overflow of a square) shows in the row's sums, and in its peaks
+        # even where sums were given: exact path.
         fast = np.isfinite(squares).all(axis=1) & np.isfinite(sums).all(axis=1)
+        fast &= (self.peaks() < self._spec.exponent_mask).all(axis=1)
         rows, hidden = int(fast.sum()), self._blocks[0].shape[2]
         stats = _block_stats(
             (rows, sums.shape[1], hidden),

@@ -42,6 +42,7 @@ from hsdump._store.backend import (
     ids_int32,
     local_dir,
     lock_part,
+    moments_of,
     open_root,
     os_error,
 )
@@ -419,8 +420,9 @@ class HiddenStateStore:
         # Strided views are placed as they are: a sample read from a store (aux and final are views
         # of one [T, L, H] array) cost a copy into fresh pages (3.5x a write's page faults).
         aux, final = tensor_to_bits(hs.aux_hidden_states), tensor_to_bits(hs.final_hidden_state)
-        # The statistics are taken from the stored rows as they are placed, on the codec pool.
-        stats = RowStats(dtype, [*hs.layer_ids, "final"])
+        # The statistics are taken from the stored rows as they are placed, on the codec pool,
+        # with the producer's row moments where it declared them.
+        stats = RowStats(dtype, [*hs.layer_ids, "final"], moments_of(hs, layers))
         check = None
         if not hs.values_checked:  # the client left the check to this pass (`take_refused`)
             rid = hs.meta.rid if hs.meta is not None else None
