@@ -20,9 +20,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["Piece", "PinnedRing", "SideCopies", "Stager", "record_event", "stage_rows"]
+__all__ = [
+    "Piece",
+    "PinnedRing",
+    "SideCopies",
+    "Stager",
+    "record_event",
+    "stage_rows",
+    "vector_moments",
+]
 
 _ALIGN = 64
+# Float32 scratch of one block of `vector_moments` (blocks of rows keep GPU memory bounded).
+_MOMENT_BLOCK_BYTES = 64 << 20
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +119,9 @@ class Piece:
     """Rows ``[start, start + n)`` of request ``rid``, staged in pinned memory.
 
     ``aux`` and ``final`` are uint8 views of the staged bytes (row-major ``[n, K, H]`` and
-    ``[n, H]``); ``block`` is returned to the ring once they are written.
+    ``[n, H]``), ``moments`` one of the rows' float32 ``[n, K + 1, 2]`` (`vector_moments`; None
+    where the GPU had no memory for them: the writer computes them); ``block`` is returned to the
+    ring once they are written.
     """
 
     rid: str
@@ -121,6 +133,7 @@ class Piece:
     aux: torch.Tensor
     final: torch.Tensor
     block: Any
+    moments: torch.Tensor | None = None
 
 
 class _DoneEvent:
@@ -152,9 +165,11 @@ class SideCopies:
         self._bytes = 0
         self._warned = False
 
-    def copy(self, rows: torch.Tensor, dest: torch.Tensor, kh: int) -> None:
+    def copy(self, rows: torch.Tensor, dest: torch.Tensor, kh: int, moments: torch.Tensor) -> bool:
         """Queue the copy of ``rows`` ([n, (K+1)*H] on the GPU) into pinned ``dest`` (`stage_rows`'s
-        layout). Without GPU memory for a snapshot, the copy runs on the forward's stream."""
+        layout), and of their `vector_moments` into pinned ``moments`` (float32 ``[n, K+1, 2]``),
+        taken on this stream from the snapshot. Without GPU memory for a snapshot, the copy runs
+        on the forward's stream and no moments are taken; returns whether they were."""
         forward = torch.cuda.current_stream(rows.device)
         self._make_room(dest.nbytes)
         try:
@@ -169,16 +184,25 @@ class SideCopies:
                 )
             stage_rows(rows, dest, kh)
             self.stream.wait_stream(forward)  # so that `event` covers this copy too
-            return
+            return False
         stage_rows(rows, snapshot, kh)  # on the forward's stream
         self.stream.wait_stream(forward)
+        n = rows.shape[0]
         with torch.cuda.stream(self.stream):
             dest.copy_(snapshot, non_blocking=True)  # one contiguous copy
+            taken = _moments_copy(
+                [
+                    snapshot[: n * kh].view(n, -1, rows.shape[1] - kh),
+                    snapshot[n * kh :].view(n, 1, -1),
+                ],
+                moments,
+            )
         snapshot.record_stream(self.stream)  # not reused before the side stream has read it
         done = torch.cuda.Event()  # type: ignore[no-untyped-call]
         done.record(self.stream)
         self._in_flight.append((done, snapshot.nbytes))
         self._bytes += snapshot.nbytes
+        return taken
 
     def event(self) -> Any:
         """An event after every copy queued so far."""
@@ -201,6 +225,37 @@ def stage_rows(rows: torch.Tensor, dest: torch.Tensor, kh: int) -> None:
     n = rows.shape[0]
     dest[: n * kh].view(n, kh).copy_(rows[:, :kh], non_blocking=True)
     dest[n * kh :].view(n, -1).copy_(rows[:, kh:], non_blocking=True)
+
+
+def vector_moments(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The sum and the sum of squares of every vector of ``parts`` (each ``[n, L, H]``), in
+    float32, as ``[n, sum of L, 2]`` on their device (on the GPU: no CPU time per value).
+
+    Rows go in blocks whose float32 copy stays near 64 MB."""
+    n = parts[0].shape[0]
+    layers = sum(p.shape[1] for p in parts)
+    sums = torch.empty((n, layers), dtype=torch.float32, device=parts[0].device)
+    squares = torch.empty_like(sums)
+    first = 0
+    for part in parts:
+        last, step = first + part.shape[1], max(1, _MOMENT_BLOCK_BYTES // (part[0].numel() * 4))
+        for lo in range(0, n, step):
+            # A copy even of float32 rows: squaring in place must not touch the forward's output.
+            values = part[lo : lo + step].to(torch.float32, copy=True)
+            sums[lo : lo + step, first:last] = values.sum(-1)
+            squares[lo : lo + step, first:last] = values.square_().sum(-1)
+        first = last
+    return torch.stack((sums, squares), -1)
+
+
+def _moments_copy(parts: list[torch.Tensor], dest: torch.Tensor) -> bool:
+    """Take the moments of ``parts`` into ``dest`` (pinned), queued on the current stream; False
+    where the GPU has no memory for them."""
+    try:
+        dest.copy_(vector_moments(parts), non_blocking=True)
+    except torch.cuda.OutOfMemoryError:
+        return False
+    return True
 
 
 class Stager:
@@ -269,18 +324,24 @@ class Stager:
         **info: Any,
     ) -> None:
         kh, size = self.k * self.h, hidden.element_size()
-        nbytes = n * (kh + self.h) * size
+        # The moments first (float32 at the block's aligned start), then the rows.
+        lead = n * (self.k + 1) * 2 * 4
+        nbytes = lead + n * (kh + self.h) * size
         got = self.ring.try_alloc(nbytes)
         if got is None:
             self.flush()  # the consumer can only free what it was given
             got = self.ring.alloc(nbytes)
         block, buf = got
+        moments, staged = buf[:lead], buf[lead:]
+        dest = moments.view(torch.float32).view(n, self.k + 1, 2)
+        rows = hidden[row : row + n]
         side = self._side_copies(hidden.device)
         if side is None:
-            stage_rows(hidden[row : row + n], buf.view(hidden.dtype), kh)
+            stage_rows(rows, staged.view(hidden.dtype), kh)
+            taken = _moments_copy([rows.reshape(n, self.k + 1, self.h)], dest)
         else:
-            side.copy(hidden[row : row + n], buf.view(hidden.dtype), kh)
-        aux, final = buf[: n * kh * size], buf[n * kh * size :]
+            taken = side.copy(rows, staged.view(hidden.dtype), kh, dest)
+        aux, final = staged[: n * kh * size], staged[n * kh * size :]
         self._pending.append(
             Piece(
                 rid=rid,
@@ -292,5 +353,6 @@ class Stager:
                 aux=aux,
                 final=final,
                 block=block,
+                moments=moments if taken else None,
             )
         )

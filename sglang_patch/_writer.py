@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hsdump._protocol import DumpMeta, DumpWriter, ProducerInfo, dtype_itemsize
 from sglang_patch._config import PluginConfig
 from sglang_patch._ledger import Assembly, Ledger
@@ -177,7 +179,10 @@ class WriterThread:
 
     def _submit_writes(self, piece: Piece, assembly: Assembly) -> list[Future[None]]:
         aux, final = piece.aux.numpy(), piece.final.numpy()
+        # Without the GPU's moments (no GPU memory for them) the dump writer computes them.
+        moments = None if piece.moments is None else piece.moments.numpy().view(np.float32)
         aux_row, final_row = len(aux) // piece.n, len(final) // piece.n
+        moments_row = len(self.fmt.layer_ids) * 2 + 2
         step = max(1, _JOB_BYTES // (aux_row + final_row))
         return [
             self._pool.submit(
@@ -185,6 +190,9 @@ class WriterThread:
                 piece.start + row,
                 aux[row * aux_row : (row + step) * aux_row],
                 final[row * final_row : (row + step) * final_row],
+                None
+                if moments is None
+                else moments[row * moments_row : (row + step) * moments_row],
             )
             for row in range(0, piece.n, step)
         ]
@@ -208,6 +216,7 @@ class WriterThread:
                 hidden_size=self.fmt.hidden_size,
                 dtype=self.fmt.dtype,
                 mapped=self.config.mapped_writes,
+                moments=True,
             )
         except (OSError, ValueError) as exc:
             reason = f"could not create its dump in {self.config.dump_dir}: {exc}"

@@ -270,7 +270,9 @@ def _manifest(fmt: Any, config: PluginConfig) -> ProducerManifest:
         hidden_size=fmt.hidden_size,
         dtype=fmt.dtype,
         model_path=fmt.model_path,
-        capabilities=Capabilities(chunked_prefill_assembly=True, prefix_cache_guard=True),
+        capabilities=Capabilities(
+            chunked_prefill_assembly=True, prefix_cache_guard=True, row_moments=True
+        ),
     )
 
 

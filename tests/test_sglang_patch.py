@@ -25,7 +25,7 @@ from hsdump._protocol import DumpWriter, ProducerInfo, request_dir
 from sglang_patch._config import PluginConfig, load_config
 from sglang_patch._dumper import Dumper
 from sglang_patch._plan import ChunkPlanner
-from sglang_patch._staging import PinnedRing
+from sglang_patch._staging import PinnedRing, vector_moments
 from sglang_patch._writer import DumpFormat
 from sglang_patch.hooks import remove_stale_tmp_dirs
 
@@ -229,7 +229,7 @@ def test_a_request_larger_than_one_write_job_lands_whole_from_several_threads(
 
 
 def test_a_row_write_that_fails_on_the_pool_publishes_an_error(dumper, tmp_path, monkeypatch):
-    def full_disk(self, start, aux, final) -> None:
+    def full_disk(self, start, aux, final, moments=None) -> None:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr("hsdump._protocol.DumpWriter.write_rows", full_disk)
@@ -246,7 +246,7 @@ def held_writes(monkeypatch):
     state = SimpleNamespace(held=set(), release=threading.Event(), started={})
     real = DumpWriter.write_rows
 
-    def write_rows(self, start, aux, final) -> None:
+    def write_rows(self, start, aux, final, moments=None) -> None:
         state.started.setdefault(self.rid, threading.Event()).set()
         if self.rid in state.held:
             assert state.release.wait(10)
@@ -260,7 +260,7 @@ def held_writes(monkeypatch):
 def test_a_bug_in_a_row_write_publishes_an_error_and_leaves_no_partial_dump(
     dumper, tmp_path, monkeypatch
 ) -> None:
-    def buggy(self, start, aux, final) -> None:
+    def buggy(self, start, aux, final, moments=None) -> None:
         raise TypeError("a bug")
 
     monkeypatch.setattr(DumpWriter, "write_rows", buggy)
@@ -449,3 +449,46 @@ def test_the_plugin_is_inert_without_a_dump_root(monkeypatch) -> None:
     code = "import sglang_patch.plugin as p; p.register(); print(p._registered)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"  # and it never imported sglang, which is absent here
+
+
+# --- row moments ----------------------------------------------------------------------------
+
+
+def _declared_moments(root: Path, req: Req) -> torch.Tensor:
+    dump = read_dump(request_dir(root, req.rid), moments=True)  # checked against the values
+    assert dump.moments is not None
+    return torch.from_numpy(dump.moments)
+
+
+def _moments(hidden: torch.Tensor) -> torch.Tensor:
+    values = hidden.double().reshape(len(hidden), K + 1, H)
+    return torch.stack((values.sum(-1), values.square().sum(-1)), -1).float()
+
+
+def test_each_dump_holds_the_moments_of_its_own_rows(dumper, tmp_path: Path) -> None:
+    d, a, b = dumper(), Req("hsdump-a", 3), Req("hsdump-b", 5)
+    hidden = rows(8)
+    forward(d, batch([a, b], [3, 5], [0, 0]), hidden)
+    assert torch.allclose(_declared_moments(tmp_path, a), _moments(hidden[:3]), rtol=1e-5)
+    assert torch.allclose(_declared_moments(tmp_path, b), _moments(hidden[3:]), rtol=1e-5)
+
+
+def test_taking_moments_leaves_the_forwards_rows_as_they_were() -> None:
+    hidden = rows(6)
+    before = hidden.clone()
+    got = vector_moments([hidden.reshape(6, K + 1, H)])
+    assert torch.equal(hidden, before)
+    assert torch.allclose(got, _moments(hidden), rtol=1e-5)
+
+
+def test_without_gpu_memory_for_moments_the_writer_computes_them(
+    dumper, tmp_path: Path, monkeypatch
+) -> None:
+    def no_memory(parts):
+        raise torch.cuda.OutOfMemoryError("no memory")
+
+    monkeypatch.setattr("sglang_patch._staging.vector_moments", no_memory)
+    d, a = dumper(), Req("hsdump-a", 4)
+    hidden = rows(4)
+    forward(d, batch([a], [4], [0]), hidden)
+    assert torch.allclose(_declared_moments(tmp_path, a), _moments(hidden), rtol=1e-5)

@@ -177,11 +177,14 @@ def print_spy(
             print("\n".join(wait_summary(raw)), flush=True)
 
 
-def _store_part(source: str, dest: str, index: int, workers: int, barrier, results) -> None:
+def _store_part(
+    source: str, dest: str, index: int, workers: int, barrier, results, moments: bool = False
+) -> None:
     """One writer of the store-alone row: load its share (untimed), then write it (timed).
 
     Each process sizes its pools by its share of the cores, as a worker of `hsdump extract` does.
-    ``source`` "random:N" writes N random samples instead of a store's.
+    ``source`` "random:N" writes N random samples instead of a store's. With ``moments`` each
+    sample carries its row moments, taken while loading, as the plugin's dumps do.
     """
     import resource
 
@@ -195,6 +198,13 @@ def _store_part(source: str, dest: str, index: int, workers: int, barrier, resul
     else:
         with open_store(source, "r") as src:
             states = [src[sid] for sid in sorted(src)[index::workers]]
+    if moments:
+        from hsdump._protocol import row_moments
+
+        for hs in states:
+            aux, final = (t.contiguous().view(torch.uint16).numpy() for t in
+                          (hs.aux_hidden_states, hs.final_hidden_state))  # fmt: skip
+            hs.row_moments = torch.from_numpy(row_moments(aux, final, "bfloat16"))
     barrier.wait()
     t0, r0 = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
     # The interpreter's switch interval of an extraction run (HSDUMP_SWITCH_INTERVAL_US).
@@ -276,6 +286,7 @@ def store_alone(
     spy: str = "",
     out: Path | None = None,
     native: bool = False,
+    moments: bool = False,
 ) -> dict[str, float]:
     """The store-alone row of ``workers`` processes: its rate (``tok_per_s``), the cores they
     kept busy, and their user and system core-seconds and minor faults per GB."""
@@ -284,7 +295,9 @@ def store_alone(
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(workers), ctx.Queue()
     procs = [
-        ctx.Process(target=_store_part, args=(source, str(dest), i, workers, barrier, results))
+        ctx.Process(
+            target=_store_part, args=(source, str(dest), i, workers, barrier, results, moments)
+        )
         for i in range(workers)
     ]
     for p in procs:
@@ -493,21 +506,27 @@ def main() -> None:
             ceiling_tok_per_s=round(ceiling_shm), ratio=round(rate / ceiling_shm, 3), **row,
         )  # fmt: skip
     for where, label, ceiling in ((args.disk, "disk", ceiling_disk), (shm, "shm", ceiling_shm)):
-        row = store_alone(source, where, args.workers)
-        rate = results[f"store-{label}"] = row.pop("tok_per_s")
-        log(
-            args.out, row="store alone", on=label, workers=args.workers,
-            tok_per_s=round(rate), ceiling_tok_per_s=round(ceiling), ratio=round(rate / ceiling, 3),
-            **row,
-        )  # fmt: skip
+        for moments in (False, True):  # the store fed bytes only, and bytes with their moments
+            row = store_alone(source, where, args.workers, moments=moments)
+            key = f"store-{label}" + ("-moments" if moments else "")
+            rate = results[key] = row.pop("tok_per_s")
+            log(
+                args.out, row="store alone", on=label, workers=args.workers, moments=moments,
+                tok_per_s=round(rate), ceiling_tok_per_s=round(ceiling),
+                ratio=round(rate / ceiling, 3), **row,
+            )  # fmt: skip
     shutil.rmtree(source, ignore_errors=True)
     for label in ("disk", "shm"):
         for conc in concs:
             bound = min(results[f"server-{conc}"], results[f"store-{label}"])
+            with_moments = min(results[f"server-{conc}"], results[f"store-{label}-moments"])
             log(
                 args.out, row="ratio", what=f"extract/min(server, store) {label} {conc}",
                 value=round(results[f"extract-{label}-{conc}"] / bound, 3),
                 target=0.8 if conc == 1 else 0.9,
+                against_store_with_moments=round(
+                    results[f"extract-{label}-{conc}"] / with_moments, 3
+                ),
             )  # fmt: skip
     if args.sweep_workers:
         sweep(args, rows, shm, [int(c) for c in args.sweep_concs.split(",")], results)
