@@ -369,3 +369,70 @@ async def test_the_switch_interval_is_put_back_when_the_run_stops_on_a_store_err
     with pytest.raises(StoreError):
         await _run(server, store, _samples(2))
     assert store.intervals == [pytest.approx(300e-6)] and sys.getswitchinterval() == before
+
+
+class _Overlap:
+    """Wraps a write: the first waits (up to 10 s) for a second to begin, so two writes at once
+    show as ``most == 2``; a run that hands over one at a time leaves it at 1."""
+
+    def __init__(self) -> None:
+        self.active = self.most = self.calls = 0
+        self.second = threading.Event()
+        self._lock = threading.Lock()
+
+    def enter(self) -> bool:
+        with self._lock:
+            self.active += 1
+            self.calls += 1
+            self.most = max(self.most, self.active)
+            first = self.calls == 1
+        if not first:
+            self.second.set()
+        return first
+
+    def leave(self) -> None:
+        with self._lock:
+            self.active -= 1
+
+
+async def test_a_hidden_state_store_gets_the_next_write_while_one_runs(
+    server, tmp_path, monkeypatch
+):
+    from hsdump import open_store
+    from hsdump._store.store import HiddenStateStore
+
+    overlap, write = _Overlap(), HiddenStateStore.write
+
+    def watched(self, hs, **kw):
+        first = overlap.enter()
+        try:
+            if first:
+                overlap.second.wait(10)
+            return write(self, hs, **kw)
+        finally:
+            overlap.leave()
+
+    monkeypatch.setattr(HiddenStateStore, "write", watched)
+    with open_store(tmp_path / "s.zarr", "a") as store:
+        summary = await _run(server, store, _samples(4), concurrency=2)
+        assert sorted(store) == [f"s{i}" for i in range(4)]
+    assert summary.samples_done == 4 and not summary.failures
+    assert overlap.most == 2
+
+
+async def test_any_other_sink_gets_one_write_at_a_time(server):
+    overlap = _Overlap()
+
+    class Watched(MemoryStore):
+        async def awrite(self, states: HiddenStates) -> None:
+            if overlap.enter():  # a second write at once would begin within this wait
+                await anyio.to_thread.run_sync(overlap.second.wait, 0.5)
+            try:
+                await super().awrite(states)
+            finally:
+                overlap.leave()
+
+    store = Watched()
+    summary = await _run(server, store, _samples(3), concurrency=2)
+    assert summary.samples_done == 3 and sorted(store.writes) == ["s0", "s1", "s2"]
+    assert overlap.most == 1
