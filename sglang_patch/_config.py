@@ -47,6 +47,9 @@ class PluginConfig:
         gpu_staging_bytes: GPU memory for snapshots of rows whose copy to pinned memory runs on
             a stream of its own, beside the next forward (``HSDUMP_GPU_STAGING_MB``, default
             1024); 0 queues those copies on the forward's stream, which then waits for them.
+        row_moments: Take each vector's sum and sum of squares on the GPU and write them beside
+            the rows (``HSDUMP_ROW_MOMENTS``, default 1; the manifest announces them and the
+            client's store uses them instead of computing its statistics); 0: none.
         switch_interval_s: The scheduler process's GIL switch interval
             (``HSDUMP_SWITCH_INTERVAL_US``, default 500; Python's own is 5000): how long a
             thread holds the GIL while another waits for it.
@@ -64,6 +67,7 @@ class PluginConfig:
     profile_s: float = 0.0
     mapped_writes: bool = True
     gpu_staging_bytes: int = 1024 * _MIB
+    row_moments: bool = True
     switch_interval_s: float = 0.0005
 
 
@@ -90,6 +94,7 @@ def load_config() -> PluginConfig:
         profile_s=float(_number("HSDUMP_PROFILE_S", 0, allow_zero=True)),
         mapped_writes=_switch("HSDUMP_MAPPED_WRITES", True),
         gpu_staging_bytes=_number("HSDUMP_GPU_STAGING_MB", 1024, allow_zero=True) * _MIB,
+        row_moments=_switch("HSDUMP_ROW_MOMENTS", True),
         switch_interval_s=_number("HSDUMP_SWITCH_INTERVAL_US", 500) / 1e6,
     )
 

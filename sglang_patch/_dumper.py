@@ -50,6 +50,7 @@ class Dumper:
             hidden_size=fmt.hidden_size,
             submit=self.writer.submit_rows,
             side_bytes=config.gpu_staging_bytes,
+            moments=config.row_moments,
         )
         self._next_expiry = time.monotonic() + config.partial_ttl_s
         self.clock = StageClock("scheduler", config.profile_s)
@@ -87,9 +88,10 @@ class Dumper:
         copies = (
             f"copies on a side stream ({side} MB GPU)" if side else "copies on the forward's stream"
         )
+        moments = "row moments on the GPU" if self.config.row_moments else "no row moments"
         return (
             f"this rank writes, {self.ring.capacity >> 20} MB pinned, {copies}, "
-            f"{self.config.write_threads} write threads ({how})"
+            f"{self.config.write_threads} write threads ({how}), {moments}"
         )
 
     def close(self) -> None:

@@ -118,7 +118,9 @@ class Piece:
 
     ``aux`` and ``final`` are uint8 views of the staged bytes (row-major ``[n, K, H]`` and
     ``[n, H]``), ``moments`` one of the rows' float32 ``[n, K + 1, 2]`` (`vector_moments`; None
-    where the GPU had no memory for them: the writer computes them); ``block`` is returned to the
+    where the GPU had no memory for them or they are off: the writer computes them, or writes
+    none); ``moments_ready``, when set, is the event after which they are in place (they are taken
+    on a stream of their own, so the rows need not wait for them); ``block`` is returned to the
     ring once they are written.
     """
 
@@ -132,6 +134,7 @@ class Piece:
     final: torch.Tensor
     block: Any
     moments: torch.Tensor | None = None
+    moments_ready: Any = None
 
 
 class _DoneEvent:
@@ -149,7 +152,9 @@ def record_event(device: torch.device, stream: Any = None) -> Any:
 
 
 class SideCopies:
-    """Copies to pinned memory on a CUDA stream of their own, from snapshots of the rows.
+    """Copies to pinned memory on a CUDA stream of their own, from snapshots of the rows; the rows'
+    moments are taken from the same snapshots on a second stream, so that the copies (and the
+    writer waiting for them) never wait for the moments' kernels.
 
     Args:
         device: The GPU.
@@ -158,16 +163,20 @@ class SideCopies:
 
     def __init__(self, device: torch.device, limit: int):
         self.stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        self.moments_stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         self.limit = limit
-        self._in_flight: deque[tuple[Any, int]] = deque()
+        self._in_flight: deque[tuple[list[Any], int]] = deque()
         self._bytes = 0
         self._warned = False
 
-    def copy(self, rows: torch.Tensor, dest: torch.Tensor, kh: int, moments: torch.Tensor) -> bool:
+    def copy(
+        self, rows: torch.Tensor, dest: torch.Tensor, kh: int, moments: torch.Tensor | None
+    ) -> bool:
         """Queue the copy of ``rows`` ([n, (K+1)*H] on the GPU) into pinned ``dest`` (`stage_rows`'s
-        layout), and of their `vector_moments` into pinned ``moments`` (float32 ``[n, K+1, 2]``),
-        taken on this stream from the snapshot. Without GPU memory for a snapshot, the copy runs
-        on the forward's stream and no moments are taken; returns whether they were."""
+        layout), and of their `vector_moments` into pinned ``moments`` (float32 ``[n, K+1, 2]``;
+        None: none are taken), taken on the moments' stream from the snapshot. Without GPU memory
+        for a snapshot, the copy runs on the forward's stream and no moments are taken; returns
+        whether they were."""
         forward = torch.cuda.current_stream(rows.device)
         self._make_room(dest.nbytes)
         try:
@@ -185,34 +194,46 @@ class SideCopies:
             return False
         stage_rows(rows, snapshot, kh)  # on the forward's stream
         self.stream.wait_stream(forward)
-        n = rows.shape[0]
         with torch.cuda.stream(self.stream):
             dest.copy_(snapshot, non_blocking=True)  # one contiguous copy
-            taken = _moments_copy(
-                [
-                    snapshot[: n * kh].view(n, -1, rows.shape[1] - kh),
-                    snapshot[n * kh :].view(n, 1, -1),
-                ],
-                moments,
-            )
         snapshot.record_stream(self.stream)  # not reused before the side stream has read it
-        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        done.record(self.stream)
-        self._in_flight.append((done, snapshot.nbytes))
+        streams, taken = [self.stream], False
+        if moments is not None:
+            taken = self._take_moments(snapshot, rows.shape, kh, moments)
+            streams.append(self.moments_stream)
+        self._in_flight.append((
+            [record_event(rows.device, stream) for stream in streams], snapshot.nbytes
+        ))  # fmt: skip
         self._bytes += snapshot.nbytes
+        return taken
+
+    def _take_moments(
+        self, snapshot: torch.Tensor, shape: torch.Size, kh: int, dest: torch.Tensor
+    ) -> bool:
+        n, width = shape
+        self.moments_stream.wait_stream(torch.cuda.current_stream(snapshot.device))
+        with torch.cuda.stream(self.moments_stream):
+            parts = [snapshot[: n * kh].view(n, -1, width - kh), snapshot[n * kh :].view(n, 1, -1)]
+            taken = _moments_copy(parts, dest)
+        snapshot.record_stream(self.moments_stream)
         return taken
 
     def event(self) -> Any:
         """An event after every copy queued so far."""
         return record_event(self.stream.device, self.stream)
 
+    def moments_event(self) -> Any:
+        """An event after every copy of moments queued so far."""
+        return record_event(self.stream.device, self.moments_stream)
+
     def _make_room(self, nbytes: int) -> None:
         """Forget finished copies, then wait for the oldest until ``nbytes`` more fit the limit."""
         while self._in_flight:
             done, size = self._in_flight[0]
-            if self._bytes + nbytes <= self.limit and not done.query():
+            if self._bytes + nbytes <= self.limit and not all(e.query() for e in done):
                 return
-            done.synchronize()
+            for event in done:
+                event.synchronize()
             self._in_flight.popleft()
             self._bytes -= size
 
@@ -259,6 +280,7 @@ class Stager:
             waits on the event, writes the pieces and frees their blocks.
         side_bytes: GPU snapshots in flight for `SideCopies`; 0 queues the copies to pinned
             memory on the forward's stream instead.
+        moments: Take each row's `vector_moments` on the GPU (the dumps then carry them).
     """
 
     def __init__(
@@ -269,8 +291,10 @@ class Stager:
         hidden_size: int,
         submit: Callable[[Any, list[Piece]], None],
         side_bytes: int = 0,
+        moments: bool = True,
     ):
         self.ring, self.k, self.h = ring, num_layers, hidden_size
+        self.moments = moments
         self._submit = submit
         self._pending: list[Piece] = []
         self._device = torch.device("cpu")
@@ -295,6 +319,10 @@ class Stager:
         if self._pending:
             pieces, self._pending = self._pending, []
             event = self._side.event() if self._side else record_event(self._device)
+            if self._side is not None:
+                ready = self._side.moments_event()
+                for piece in pieces:
+                    piece.moments_ready = ready if piece.moments is not None else None
             self._submit(event, pieces)
 
     def _side_copies(self, device: torch.device) -> SideCopies | None:
@@ -315,7 +343,7 @@ class Stager:
     ) -> None:
         kh, size = self.k * self.h, hidden.element_size()
         # The moments first (float32 at the block's aligned start), then the rows.
-        lead = n * (self.k + 1) * 2 * 4
+        lead = n * (self.k + 1) * 2 * 4 if self.moments else 0
         nbytes = lead + n * (kh + self.h) * size
         got = self.ring.try_alloc(nbytes)
         if got is None:
@@ -323,14 +351,15 @@ class Stager:
             got = self.ring.alloc(nbytes)
         block, buf = got
         moments, staged = buf[:lead], buf[lead:]
-        dest = moments.view(torch.float32).view(n, self.k + 1, 2)
+        dest = moments.view(torch.float32).view(n, self.k + 1, 2) if self.moments else None
         rows = hidden[row : row + n]
         side = self._side_copies(hidden.device)
-        if side is None:
-            stage_rows(rows, staged.view(hidden.dtype), kh)
-            taken = _moments_copy([rows.reshape(n, self.k + 1, self.h)], dest)
-        else:
+        if side is not None:
             taken = side.copy(rows, staged.view(hidden.dtype), kh, dest)
+        else:
+            stage_rows(rows, staged.view(hidden.dtype), kh)
+            parts = [rows.reshape(n, self.k + 1, self.h)]
+            taken = dest is not None and _moments_copy(parts, dest)
         aux, final = staged[: n * kh * size], staged[n * kh * size :]
         self._pending.append(
             Piece(

@@ -18,6 +18,7 @@ run in parallel (2.1-2.3 GB/s on 1-8 threads), and unregistered (pageable) copie
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -178,24 +179,25 @@ class WriterThread:
         return self._ledger.take(piece.rid)  # None: an earlier piece failed
 
     def _submit_writes(self, piece: Piece, assembly: Assembly) -> list[Future[None]]:
+        """The pool's jobs for a piece: its rows in ``_JOB_BYTES`` slices, written as soon as they
+        are staged, and its GPU moments, written once their own event completes. Without the
+        GPU's moments (no GPU memory for them) each rows job computes them."""
         aux, final = piece.aux.numpy(), piece.final.numpy()
-        # Without the GPU's moments (no GPU memory for them) the dump writer computes them.
-        moments = None if piece.moments is None else piece.moments.numpy().view(np.float32)
         aux_row, final_row = len(aux) // piece.n, len(final) // piece.n
-        moments_row = len(self.fmt.layer_ids) * 2 + 2
         step = max(1, _JOB_BYTES // (aux_row + final_row))
-        return [
+        later = piece.moments is not None
+        jobs = [
             self._pool.submit(
-                assembly.writer.write_rows,
+                functools.partial(assembly.writer.write_rows, moments_later=later),
                 piece.start + row,
                 aux[row * aux_row : (row + step) * aux_row],
                 final[row * final_row : (row + step) * final_row],
-                None
-                if moments is None
-                else moments[row * moments_row : (row + step) * moments_row],
             )
             for row in range(0, piece.n, step)
         ]
+        if later:
+            jobs.append(self._pool.submit(_write_moments, piece, assembly))
+        return jobs
 
     def _open_assembly(self, piece: Piece) -> bool:
         need = piece.total * self.fmt.row_bytes
@@ -216,7 +218,7 @@ class WriterThread:
                 hidden_size=self.fmt.hidden_size,
                 dtype=self.fmt.dtype,
                 mapped=self.config.mapped_writes,
-                moments=True,
+                moments=self.config.row_moments,
             )
         except (OSError, ValueError) as exc:
             reason = f"could not create its dump in {self.config.dump_dir}: {exc}"
@@ -338,6 +340,14 @@ class _Publisher:
             self._ledger.fail(rid, f"publishing its dump failed: {exc}")
             return
         self._ledger.published(path, t)
+
+
+def _write_moments(piece: Piece, assembly: Assembly) -> None:
+    """Write a piece's GPU moments once they are in pinned memory (the wait releases the GIL)."""
+    assert piece.moments is not None
+    if piece.moments_ready is not None:
+        piece.moments_ready.synchronize()
+    assembly.writer.write_moments(piece.start, piece.moments.numpy().view(np.float32))
 
 
 def _write_error(piece: Piece, futures: list[Future[None]]) -> str | None:

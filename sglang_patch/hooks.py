@@ -271,7 +271,9 @@ def _manifest(fmt: Any, config: PluginConfig) -> ProducerManifest:
         dtype=fmt.dtype,
         model_path=fmt.model_path,
         capabilities=Capabilities(
-            chunked_prefill_assembly=True, prefix_cache_guard=True, row_moments=True
+            chunked_prefill_assembly=True,
+            prefix_cache_guard=True,
+            row_moments=config.row_moments,
         ),
     )
 

@@ -29,6 +29,7 @@ from hsdump._protocol import (
     read_manifests,
     remove_dump,
     request_dir,
+    row_moments,
     validate_rid,
     write_dump,
     write_error,
@@ -278,3 +279,35 @@ def test_every_protocol_dtype_loads_as_checked_torch_tensors(tmp_path: Path, dty
     path = write_dump(tmp_path, meta(rid="hsdump-b", dtype=dtype), aux, final)
     with pytest.raises(NonFiniteValues, match="token 3"):
         load_dump(path, sample=sample, rid="hsdump-b", expected=Expected())
+
+
+def test_moments_written_later_must_cover_the_dump_before_it_is_published(tmp_path) -> None:
+    aux, final = arrays(t=6)
+    moments = row_moments(aux, final, "bfloat16")
+    with DumpWriter(
+        tmp_path, "hsdump-m", num_tokens=6, num_layers=2, hidden_size=8, dtype="bfloat16",
+        moments=True,
+    ) as w:  # fmt: skip
+        w.write_rows(0, aux, final, moments_later=True)
+        w.write_moments(0, moments[:4])
+        with pytest.raises(ValueError, match=r"moments \[\(0, 4\)\] do not cover"):
+            w.publish(meta("hsdump-m", t=6))
+        w.write_moments(4, moments[4:])
+        path = w.publish(meta("hsdump-m", t=6))
+    assert np.array_equal(read_dump(path, moments=True).moments, moments)
+
+
+def test_moments_for_a_writer_without_them_or_outside_the_dump_are_refused(tmp_path) -> None:
+    aux, final = arrays(t=3)
+    moments = row_moments(aux, final, "bfloat16")
+    common = {"num_tokens": 3, "num_layers": 2, "hidden_size": 8, "dtype": "bfloat16"}
+    with (
+        DumpWriter(tmp_path, "hsdump-n", **common) as w,
+        pytest.raises(ValueError, match="without"),
+    ):
+        w.write_moments(0, moments)
+    with DumpWriter(tmp_path, "hsdump-o", moments=True, **common) as w:
+        with pytest.raises(ValueError, match="not whole rows"):
+            w.write_moments(1, moments)
+        with pytest.raises(ValueError, match="not those of 3 rows"):
+            w.write_rows(0, aux, final, moments[:2])

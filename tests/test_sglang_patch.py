@@ -21,13 +21,13 @@ import torch
 import sglang_patch._ledger
 from hsdump._client.loading import read_dump, to_torch
 from hsdump._exceptions import DumpFailed
-from hsdump._protocol import DumpWriter, ProducerInfo, request_dir
+from hsdump._protocol import MOMENTS_FILE, DumpWriter, ProducerInfo, request_dir
 from sglang_patch._config import PluginConfig, load_config
 from sglang_patch._dumper import Dumper
 from sglang_patch._plan import ChunkPlanner
-from sglang_patch._staging import PinnedRing, vector_moments
+from sglang_patch._staging import PinnedRing, Stager, vector_moments
 from sglang_patch._writer import DumpFormat
-from sglang_patch.hooks import remove_stale_tmp_dirs
+from sglang_patch.hooks import _manifest, remove_stale_tmp_dirs
 
 K, H = 3, 8
 FMT = DumpFormat(
@@ -229,7 +229,7 @@ def test_a_request_larger_than_one_write_job_lands_whole_from_several_threads(
 
 
 def test_a_row_write_that_fails_on_the_pool_publishes_an_error(dumper, tmp_path, monkeypatch):
-    def full_disk(self, start, aux, final, moments=None) -> None:
+    def full_disk(self, start, aux, final, moments=None, **kw) -> None:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr("hsdump._protocol.DumpWriter.write_rows", full_disk)
@@ -246,11 +246,11 @@ def held_writes(monkeypatch):
     state = SimpleNamespace(held=set(), release=threading.Event(), started={})
     real = DumpWriter.write_rows
 
-    def write_rows(self, start, aux, final, moments=None) -> None:
+    def write_rows(self, start, aux, final, moments=None, **kw) -> None:
         state.started.setdefault(self.rid, threading.Event()).set()
         if self.rid in state.held:
             assert state.release.wait(10)
-        real(self, start, aux, final)
+        real(self, start, aux, final, moments, **kw)
 
     monkeypatch.setattr(DumpWriter, "write_rows", write_rows)
     yield state
@@ -260,7 +260,7 @@ def held_writes(monkeypatch):
 def test_a_bug_in_a_row_write_publishes_an_error_and_leaves_no_partial_dump(
     dumper, tmp_path, monkeypatch
 ) -> None:
-    def buggy(self, start, aux, final, moments=None) -> None:
+    def buggy(self, start, aux, final, moments=None, **kw) -> None:
         raise TypeError("a bug")
 
     monkeypatch.setattr(DumpWriter, "write_rows", buggy)
@@ -406,10 +406,11 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path: Path) -> None
     monkeypatch.setenv("HSDUMP_SWITCH_INTERVAL_US", "2000")
     monkeypatch.setenv("HSDUMP_MAPPED_WRITES", "0")
     monkeypatch.setenv("HSDUMP_GPU_STAGING_MB", "0")
+    monkeypatch.setenv("HSDUMP_ROW_MOMENTS", "0")
     config = load_config()
     assert config.layer_ids == (2, 30, 58) and config.pinned_bytes == 64 << 20
     assert config.write_threads == 3 and config.switch_interval_s == 0.002
-    assert not config.mapped_writes and config.gpu_staging_bytes == 0
+    assert not config.mapped_writes and config.gpu_staging_bytes == 0 and not config.row_moments
     assert config.dump_dir == tmp_path
 
 
@@ -425,6 +426,7 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path: Path) -> None
         ("HSDUMP_SWITCH_INTERVAL_US", "0", "positive"),
         ("HSDUMP_MAPPED_WRITES", "yes", "must be 1 \\(on\\) or 0 \\(off\\)"),
         ("HSDUMP_GPU_STAGING_MB", "-5", "positive"),
+        ("HSDUMP_ROW_MOMENTS", "on", "must be 1 \\(on\\) or 0 \\(off\\)"),
     ],
 )
 def test_malformed_settings_name_the_variable(monkeypatch, tmp_path, name, value, message) -> None:
@@ -492,3 +494,50 @@ def test_without_gpu_memory_for_moments_the_writer_computes_them(
     hidden = rows(4)
     forward(d, batch([a], [4], [0]), hidden)
     assert torch.allclose(_declared_moments(tmp_path, a), _moments(hidden), rtol=1e-5)
+
+
+class _Gate:
+    """A stand-in for a CUDA event whose work completes when the test says so."""
+
+    def __init__(self) -> None:
+        self.entered, self.done = threading.Event(), threading.Event()
+
+    def synchronize(self) -> None:
+        self.entered.set()
+        assert self.done.wait(10)
+
+
+def test_rows_are_written_while_their_moments_are_still_being_taken(
+    dumper, tmp_path: Path, monkeypatch
+) -> None:
+    rows_written, real = threading.Event(), DumpWriter.write_rows
+
+    def write_rows(self, *args, **kw) -> None:
+        real(self, *args, **kw)
+        rows_written.set()
+
+    monkeypatch.setattr(DumpWriter, "write_rows", write_rows)
+    d, gate, hidden = dumper(), _Gate(), rows(4)
+
+    def gated(event, pieces) -> None:
+        for piece in pieces:
+            piece.moments_ready = gate  # as `SideCopies` sets the moments' own event
+        d.writer.submit_rows(event, pieces)
+
+    stager = Stager(d.ring, num_layers=K, hidden_size=H, submit=gated)
+    stager.stage(hidden, "hsdump-a", 0, 4, 0, total=4, input_ids=tuple(range(4)))
+    stager.flush()
+    assert gate.entered.wait(10) and rows_written.wait(10)  # the rows did not wait
+    assert not request_dir(tmp_path, "hsdump-a").exists()  # nor is the dump out before them
+    gate.done.set()
+    d.writer.drain()
+    assert torch.allclose(_declared_moments(tmp_path, Req("hsdump-a", 4)), _moments(hidden))
+
+
+def test_with_moments_off_dumps_carry_none_and_the_manifest_says_so(dumper, tmp_path) -> None:
+    d, a = dumper(row_moments=False), Req("hsdump-a", 4)
+    forward(d, batch([a], [4], [0]), rows(4))
+    assert_dump(tmp_path, a, rows(4))
+    assert not (request_dir(tmp_path, a.rid) / MOMENTS_FILE).exists()
+    assert _manifest(FMT, d.config).capabilities.row_moments is False
+    assert _manifest(FMT, PluginConfig(dump_dir=tmp_path)).capabilities.row_moments is True

@@ -106,6 +106,7 @@ class DumpWriter:
         self._aux_row = num_layers * hidden_size * dtype_itemsize(dtype)
         self._final_row = hidden_size * dtype_itemsize(dtype)
         self._covered: list[tuple[int, int]] = []
+        self._moments_covered: list[tuple[int, int]] = []
         self.tmp = _temp_dir(self.root, rid)
         self.tmp.mkdir(parents=True)
         self._fds = [self._open(AUX_FILE, self._aux_row), self._open(FINAL_FILE, self._final_row)]
@@ -122,12 +123,15 @@ class DumpWriter:
         os.ftruncate(fd, row_bytes * self.num_tokens)
         return fd
 
-    def write_rows(self, start: int, aux: Any, final: Any, moments: Any = None) -> None:
+    def write_rows(
+        self, start: int, aux: Any, final: Any, moments: Any = None, *, moments_later: bool = False
+    ) -> None:
         """Write rows ``[start, start + n)`` from two C-contiguous buffers (bytes-like or arrays).
 
         ``aux`` holds ``n * K * H`` elements in row order ``[n, K, H]``; ``final`` holds ``n * H``.
         ``moments``, the rows' float32 ``[n, K + 1, 2]`` (`row_moments`), is written when this
-        writer writes ``moments.bin``; without it they are computed here.
+        writer writes ``moments.bin``; without it they are computed here, unless
+        ``moments_later``: then the caller writes them with `write_moments` before publishing.
         """
         aux_view, final_view = memoryview(aux).cast("B"), memoryview(final).cast("B")
         n = len(final_view) // self._final_row
@@ -141,44 +145,57 @@ class DumpWriter:
                 mapped.copy_in(start * row, view)
             else:
                 os.pwrite(fd, view, start * row)
-        if self._moments_fd is not None:
-            self._write_moments(start, n, aux_view, final_view, moments)
+        if self._moments_fd is not None and not moments_later:
+            if moments is None:
+                moments = self._computed_moments(n, aux_view, final_view)
+            if memoryview(moments).nbytes != n * self._moments_row:
+                raise ValueError(f"moments of {memoryview(moments).nbytes} bytes are not those "
+                                 f"of {n} rows")  # fmt: skip
+            self.write_moments(start, moments)
         self._covered.append((start, start + n))
 
-    def _write_moments(
-        self, start: int, n: int, aux: memoryview, final: memoryview, moments: Any
-    ) -> None:
-        assert self._moments_fd is not None
-        if moments is None:
-            import numpy as np
-
-            bits, (k, h) = dtype_spec(self._dtype).bits_dtype, self._shape
-            moments = row_moments(
-                np.frombuffer(aux, bits).reshape(n, k, h),
-                np.frombuffer(final, bits).reshape(n, h),
-                self._dtype,
-            )
+    def write_moments(self, start: int, moments: Any) -> None:
+        """Write the float32 ``[n, K + 1, 2]`` moments of rows ``[start, start + n)`` into
+        ``moments.bin`` (a writer made with ``moments``)."""
+        if self._moments_fd is None:
+            raise ValueError("this dump writer was made without moments")
         view = memoryview(moments).cast("B")
-        if len(view) != n * self._moments_row:
-            raise ValueError(f"moments of {len(view)} bytes are not those of {n} rows")
+        n = len(view) // self._moments_row
+        if n * self._moments_row != len(view) or start < 0 or start + n > self.num_tokens:
+            raise ValueError(
+                f"moments of {len(view)} bytes at row {start} are not whole rows of "
+                f"[0, {self.num_tokens})"
+            )
         os.pwrite(self._moments_fd, view, start * self._moments_row)
+        self._moments_covered.append((start, start + n))
+
+    def _computed_moments(self, n: int, aux: memoryview, final: memoryview) -> Any:
+        import numpy as np
+
+        bits, (k, h) = dtype_spec(self._dtype).bits_dtype, self._shape
+        return row_moments(
+            np.frombuffer(aux, bits).reshape(n, k, h),
+            np.frombuffer(final, bits).reshape(n, h),
+            self._dtype,
+        )
 
     def coverage_complete(self) -> bool:
-        """Whether the rows written tile ``[0, num_tokens)`` exactly once."""
-        end = 0
-        for lo, hi in sorted(self._covered):
-            if lo != end:
-                return False
-            end = hi
-        return end == self.num_tokens
+        """Whether the rows written (and their moments, for a writer with moments) tile
+        ``[0, num_tokens)`` exactly once."""
+        ranges = [self._covered]
+        if self._moments_fd is not None:
+            ranges.append(self._moments_covered)
+        return all(_tiles(r, self.num_tokens) for r in ranges)
 
     def publish(self, meta: DumpMeta) -> Path:
         """Flush, write ``meta.json`` and ``done``, and rename the dump into place."""
         if meta.rid != self.rid or meta.num_tokens != self.num_tokens:
             raise ValueError(f"meta for {meta.rid!r}/{meta.num_tokens} does not match this writer")
         if not self.coverage_complete():
+            covered = sorted(self._moments_covered)
+            moments = "" if self._moments_fd is None else f", moments {covered}"
             raise ValueError(
-                f"rows written {sorted(self._covered)} do not cover [0, {self.num_tokens})"
+                f"rows written {sorted(self._covered)}{moments} do not cover [0, {self.num_tokens})"
             )
         for fd in self._all_fds():
             os.fsync(fd)  # also writes back pages dirtied through the maps
@@ -216,6 +233,16 @@ class DumpWriter:
     def __exit__(self, *exc_info: object) -> None:
         if self.tmp.exists():
             self.abort()
+
+
+def _tiles(ranges: list[tuple[int, int]], total: int) -> bool:
+    """Whether ``ranges`` tile ``[0, total)`` exactly once."""
+    end = 0
+    for lo, hi in sorted(ranges):
+        if lo != end:
+            return False
+        end = hi
+    return end == total
 
 
 def write_dump(

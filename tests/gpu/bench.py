@@ -31,25 +31,31 @@ def dataset(length: int, count: int, seed: int) -> list[dict]:
     ]
 
 
-async def plain(url: str, samples: list[dict], concurrency: int, dump_dir: str = "") -> float:
+async def plain(
+    url: str, samples: list[dict], concurrency: int, dump_dir: str = "", hold: bool = True
+) -> float:
     """Seconds to prefill ``samples`` (max_new_tokens 0). With ``dump_dir``, the rids opt in and
     each request also waits for its dump's ``done`` marker and then deletes the dump (the server
-    side of the dump path alone, without the hsdump client's validation and store)."""
+    side of the dump path alone, without the hsdump client's validation and store). ``hold``
+    False hands the request's slot on at the response, as hsdump's client does, and waits for the
+    dump after it: the server's rate while it dumps, at that many requests in flight."""
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=300) as client:
 
         async def one(s: dict) -> None:
+            rid = f"{'hsdump' if dump_dir else 'plain'}-{uuid.uuid4().hex}"
+            body = {
+                "rid": rid,
+                "input_ids": s["input_ids"],
+                "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+                "extra_key": uuid.uuid4().hex,
+            }
             async with sem:
-                rid = f"{'hsdump' if dump_dir else 'plain'}-{uuid.uuid4().hex}"
-                body = {
-                    "rid": rid,
-                    "input_ids": s["input_ids"],
-                    "sampling_params": {"max_new_tokens": 0, "temperature": 0},
-                    "extra_key": uuid.uuid4().hex,
-                }
                 (await client.post(f"{url}/generate", json=body)).raise_for_status()
-                if dump_dir:
+                if dump_dir and hold:
                     await consume(Path(dump_dir) / f"req_{rid}")
+            if dump_dir and not hold:
+                await consume(Path(dump_dir) / f"req_{rid}")
 
         t0 = time.perf_counter()
         await asyncio.gather(*(one(s) for s in samples))

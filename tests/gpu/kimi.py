@@ -107,10 +107,20 @@ def extract(
     spy = None
     if args.spy and args.spy_extract:
         spy = record_extract(args, proc.pid, f"extract-{where.name}-{conc}", work / "store.zarr")
-    text, _ = proc.communicate(timeout=400)
+    with CpuTrace() as trace:
+        lines = []
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the "done:" line's time ends the run's window
+            lines.append(line)
+            if line.startswith("done:"):
+                trace.mark()
+        proc.wait(timeout=400)
+    text = "".join(lines)
     wall = time.perf_counter() - t0
     host_busy = (host_cpu_s() - host0) / wall
     server_busy = (server_cpu_s() - server0) / wall
+    seconds = re.search(r"([\d.]+) s, [\d,]+ tokens/s", text)
+    window = trace.window(float(seconds.group(1))) if seconds else {}
     print_spy(args, spy, f"extract-{where.name}-{conc}", "hsdump extract and its workers")
     (args.out / "kimi_extract.log").open("a").write(f"## {where} {conc}\n{text[-3000:]}\n")
     found = re.search(r"done: .*?([\d,]+) tokens/s", text)
@@ -123,8 +133,51 @@ def extract(
         "peak_rss_gb": float(busy.group(2)) if busy else None,
         "host_cores_busy": round(host_busy, 1),
         "server_cores_busy": round(server_busy, 1),
+        **window,
         "store": str(work / "store.zarr"),
     }
+
+
+class CpuTrace:
+    """The host's and the server's CPU seconds every 0.1 s on a thread, so that the cores busy
+    during a run (not its process's start-up) can be read off: the extraction's own summary
+    gives the run's seconds, and its "done:" line the run's end."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.samples: list[tuple[float, float, float]] = []
+        self.done_at = 0.0
+        self._stop = threading.Event()
+        self._pids = _server_pids()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> CpuTrace:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def mark(self) -> None:
+        self.done_at = time.perf_counter()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter(), host_cpu_s(), server_cpu_s(self._pids)))
+            self._stop.wait(0.1)
+
+    def window(self, seconds: float) -> dict[str, float]:
+        """Cores busy on the host and in the server's processes over the run's last ``seconds``."""
+        inside = [s for s in self.samples if self.done_at - seconds <= s[0] <= self.done_at]
+        if not self.done_at or len(inside) < 2:
+            return {}
+        (t0, h0, s0), (t1, h1, s1) = inside[0], inside[-1]
+        return {
+            "run_host_cores_busy": round((h1 - h0) / (t1 - t0), 1),
+            "run_server_cores_busy": round((s1 - s0) / (t1 - t0), 1),
+        }
 
 
 def record_server(args: argparse.Namespace, tag: str) -> subprocess.Popen[bytes] | None:
@@ -336,10 +389,10 @@ def _server_pids() -> list[int]:
     return [int(p) for p in found.stdout.split() if int(p) != os.getpid()]
 
 
-def server_cpu_s() -> float:
+def server_cpu_s(pids: list[int] | None = None) -> float:
     """CPU seconds (user + system) the server's processes have used so far."""
     total = 0
-    for pid in _server_pids():
+    for pid in _server_pids() if pids is None else pids:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
@@ -461,6 +514,16 @@ def main() -> None:
         results[f"dump-{conc}"] = tokens / seconds
         log(
             args.out, row="dump-only", conc=conc, tok_per_s=round(tokens / seconds),
+            ratio=round(tokens / seconds / results[f"server-{conc}"], 3),
+            server_cores_busy=round(busy, 2),
+        )  # fmt: skip
+    for conc in concs:  # the slot handed on at the response, as hsdump's client does
+        cpu = server_cpu_s()
+        seconds = asyncio.run(plain(args.url, rows, conc, args.dump_dir, hold=False))
+        busy = (server_cpu_s() - cpu) / seconds
+        log(
+            args.out, row="dump-only, slot freed at the response", conc=conc,
+            tok_per_s=round(tokens / seconds),
             ratio=round(tokens / seconds / results[f"server-{conc}"], 3),
             server_cores_busy=round(busy, 2),
         )  # fmt: skip
