@@ -195,13 +195,22 @@ def record_server(args: argparse.Namespace, tag: str) -> subprocess.Popen[bytes]
 def record_extract(
     args: argparse.Namespace, pid: int, tag: str, store: Path
 ) -> subprocess.Popen[bytes]:
-    """py-spy on ``hsdump extract`` and its worker processes, for 4 s from 1 s after the store
-    appears (the workers' start-up, seconds of imports, is not recorded)."""
+    """py-spy on ``hsdump extract`` and its worker processes (with ``--spy-native``: on one
+    worker, with native frames and idle threads), for 4 s from 1 s after the store appears (the
+    workers' start-up, seconds of imports, is not recorded)."""
     out = args.out / f"spy-{tag}.txt"
-    native = " --native --idle" if args.spy_native else ""
-    cmd = ["bash", "-c", f"until [ -e {store} ]; do sleep 0.05; done; sleep 1; "
-           f"exec {args.spy} record --pid {pid} --subprocesses{native} "
-           f"--duration 4 --rate 200 --format raw --threads --nonblocking -o {out}"]  # fmt: skip
+    wait = f"until [ -e {store} ]; do sleep 0.05; done; sleep 1; "
+    if args.spy_native:
+        # py-spy takes no native stacks without pausing the process (it refuses --native with
+        # --nonblocking), so one worker is recorded, at a rate low enough to disturb it little.
+        worker = (f"w=$(for c in $(cat /proc/{pid}/task/*/children); do grep -qa spawn_main "
+                  f"/proc/$c/cmdline && ! grep -qa resource_tracker /proc/$c/cmdline && echo $c; "
+                  "done | head -1); ")  # fmt: skip
+        cmd = ["bash", "-c", wait + worker + f"exec {args.spy} record --pid $w --native --idle "
+               f"--duration 4 --rate 25 --format raw --threads -o {out}"]  # fmt: skip
+    else:
+        cmd = ["bash", "-c", wait + f"exec {args.spy} record --pid {pid} --subprocesses --duration "
+               f"4 --rate 200 --format raw --threads --nonblocking -o {out}"]  # fmt: skip
     log = (args.out / f"spy-{tag}.log").open("wb")  # py-spy's own messages, when it fails
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
