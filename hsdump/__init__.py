@@ -54,6 +54,7 @@ from hsdump._types import HiddenStates, Sample
 
 if TYPE_CHECKING:
     from hsdump._client.client import ClientStats, HiddenStateClient
+    from hsdump._client.sending import RequestSender, ServerAnswer
     from hsdump._client.watcher import (
         DumpWatcher,
         InotifyWatcher,
@@ -95,6 +96,8 @@ _LAZY = {
     "ProducerInfo": "hsdump._protocol",
     "Provenance": "hsdump._store.provenance",
     "ReferenceServer": "hsdump._servers.reference",
+    "RequestSender": "hsdump._client.sending",
+    "ServerAnswer": "hsdump._client.sending",
     "VerifyReport": "hsdump._store.reader",
     "WatchfilesWatcher": "hsdump._client.watcher",
     "export_store": "hsdump._training.export",
@@ -144,10 +147,12 @@ __all__ = [
     "Provenance",
     "ProvenanceMismatch",
     "ReferenceServer",
+    "RequestSender",
     "RidMismatch",
     "Sample",
     "SampleExistsError",
     "SampleNotFoundError",
+    "ServerAnswer",
     "ServerConfigError",
     "ServerError",
     "ServerNotDumping",

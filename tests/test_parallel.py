@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hsdump import Sample, WorkerError, open_store, run_parallel_extraction, verify_store
-from hsdump.testing import FakeServer
+from hsdump.testing import FakeServer, Fault
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -217,6 +217,28 @@ def test_a_sample_a_workers_store_refuses_is_recorded_and_the_rest_is_stored(
     )
     assert sorted(_contents(tmp_path / "s.zarr")) == sorted(s.id for s in samples if s.id != "s2")
     assert verify_store(tmp_path / "s.zarr").clean
+
+
+@pytest.mark.parametrize(
+    ("fault", "error"),
+    [
+        (Fault("http_400"), "ServerResponseError"),
+        (Fault("drop_connection"), "ServerUnavailable"),
+        (Fault("response_rid"), "RidMismatch"),
+        (Fault("dump_first", delay=2.0), "ServerTimeout"),
+    ],
+)
+def test_what_the_server_answers_through_the_parent_reaches_the_worker_as_its_error(
+    fake, tmp_path, fault: Fault, error: str
+) -> None:
+    samples = _samples(6)
+    bad = samples[1].input_ids
+    fake.engine.fault_for = lambda rid, ids: fault if ids == bad else None
+    summary = _run(
+        fake, tmp_path / "s.zarr", samples, retries=0, client_options={"request_timeout": 0.5}
+    )
+    assert [(f.sample_id, f.error) for f in summary.failures] == [("s1", error)]
+    assert sorted(_contents(tmp_path / "s.zarr")) == sorted(s.id for s in samples if s.id != "s1")
 
 
 # -- the CLI in a process of its own: signals and SIGKILL ---------------------------------------

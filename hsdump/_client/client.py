@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import enum
 import importlib
+import json
 import logging
 import os
 import time
@@ -27,6 +28,7 @@ from hsdump._client.budget import ByteBudget, default_budget_bytes
 from hsdump._client.janitor import ClientLease, remove_stale
 from hsdump._client.limits import InputLimits
 from hsdump._client.loading import load_dump
+from hsdump._client.sending import HttpSender, RequestSender, ServerAnswer
 from hsdump._client.validate import Expected, check_response
 from hsdump._client.watcher import DumpWatcher, default_watcher
 from hsdump._cores import cores
@@ -167,6 +169,10 @@ class HiddenStateClient:
             ``dump_timeout``, 5 s by default) for its dump, so a server paired with another
             server's dump root is refused at once, not after a dump timeout per sample. False
             skips it (for tests that count requests or queue faults before opening).
+        sender: A `RequestSender` that sends each /generate request instead of this client's
+            HTTP client (``server_info`` is still read through it). A multi-process extraction
+            gives each worker one that sends through the parent process, with ``gate`` left
+            open: the parent holds the run's bound on requests in flight.
     """
 
     def __init__(
@@ -185,6 +191,7 @@ class HiddenStateClient:
         http_client: httpx.AsyncClient | None = None,
         gate: AbstractAsyncContextManager[Any] | None = None,
         probe: bool = True,
+        sender: RequestSender | None = None,
     ):
         if max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be at least 1, got {max_in_flight}")
@@ -205,6 +212,7 @@ class HiddenStateClient:
         self._expected = Expected(layer_ids=expected_layer_ids)
         self._http = http_client
         self._own_http = http_client is None
+        self._sender_arg = sender
         self._gate: AbstractAsyncContextManager[Any] = gate or (
             anyio.Lock() if max_in_flight == 1 else anyio.Semaphore(max_in_flight)
         )
@@ -230,6 +238,7 @@ class HiddenStateClient:
         self.manifest = self._live_manifest()
         if self._http is None:
             self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self.request_timeout)
+        self._sender = self._sender_arg or HttpSender(self._http, timeout=self.request_timeout)
         async with contextlib.AsyncExitStack() as stack:  # a failed step undoes those before it
             stack.push_async_callback(self._close_http)
             self.server_info = await self._fetch_server_info()
@@ -424,7 +433,6 @@ class HiddenStateClient:
         seen.set()
 
     async def _send(self, sample: Sample, rid: str) -> None:
-        assert self._http is not None
         body = {
             "rid": rid,
             "input_ids": list(sample.input_ids),
@@ -432,27 +440,18 @@ class HiddenStateClient:
             "extra_key": uuid.uuid4().hex,  # no prefix-cache hit can shorten the capture
             "stream": False,
         }
-        started = time.perf_counter()
-        try:
-            response = await self._http.post("/generate", json=body)
-        except httpx.TimeoutException as exc:
-            raise ServerTimeout(
-                f"no response within {self.request_timeout:g} s", sample_id=sample.id, rid=rid
-            ) from exc
-        except httpx.TransportError as exc:
-            raise ServerUnavailable(
-                f"the connection to {self.base_url} failed: {exc!r}", sample_id=sample.id, rid=rid
-            ) from exc
-        self.stats.server_s += time.perf_counter() - started
-        if response.status_code >= 400:
+        answer = await self._sender.post(body, sample_id=sample.id, rid=rid)
+        self.stats.slot_wait_s += answer.slot_wait_s
+        self.stats.server_s += answer.server_s
+        if answer.status_code >= 400:
             raise ServerResponseError(
-                f"the server answered {response.status_code}: {response.text[:300]}",
-                status_code=response.status_code,
+                f"the server answered {answer.status_code}: {answer.text[:300]}",
+                status_code=answer.status_code,
                 sample_id=sample.id,
                 rid=rid,
             )
-        body = _json(response, "POST /generate", sample_id=sample.id, rid=rid)
-        check_response(body, rid=rid, num_tokens=len(sample.input_ids), sample_id=sample.id)
+        parsed = _parsed(answer, "POST /generate", sample_id=sample.id, rid=rid)
+        check_response(parsed, rid=rid, num_tokens=len(sample.input_ids), sample_id=sample.id)
 
     async def _probe(self) -> None:
         """One prefill of a single token whose dump must appear in this client's dump root."""
@@ -520,6 +519,17 @@ def _json(response: httpx.Response, what: str, **context: Any) -> Any:
         raise ServerResponseError(
             f"{what} did not return JSON: {response.text[:200]!r}",
             status_code=response.status_code,
+            **context,
+        ) from exc
+
+
+def _parsed(answer: ServerAnswer, what: str, **context: Any) -> Any:
+    try:
+        return json.loads(answer.text)
+    except ValueError as exc:
+        raise ServerResponseError(
+            f"{what} did not return JSON: {answer.text[:200]!r}",
+            status_code=answer.status_code,
             **context,
         ) from exc
 

@@ -7,9 +7,10 @@ part (``w<i>``) of the same store, so ingest and compression run on every core. 
 the dataset, hands samples to the workers that have room (a slow worker takes fewer), and adds up
 their progress.
 
-Requests in flight stay bounded for the whole run: every worker's client asks this process for a
-slot before its request goes to the server and hands it back after, so ``concurrency=1`` is still
-one request at a time; a worker that dies holding a slot frees it by dying.
+Requests in flight stay bounded for the whole run: every worker's client hands its requests to
+this process, which posts them from threads of its own, at most ``concurrency`` at each server
+(`hsdump._run.posting`), so ``concurrency=1`` is still one request at a time, and a request goes
+out, and its answer comes back, without waiting for a worker's busy interpreter.
 
 Failures: a worker that dies keeps its part's committed samples. This process reads the store to
 see which of the samples it gave that worker are committed, gives the rest to the others, and
@@ -43,6 +44,7 @@ from hsdump._run.pipeline import (
     _FailureLog,
     token_change,
 )
+from hsdump._run.posting import Ask, ParentPosts
 from hsdump._run.worker import COUNTERS, STOP_GRACE_S, WorkerSpec, worker_main
 from hsdump._types import Sample
 
@@ -51,6 +53,7 @@ __all__ = ["committed_ids", "run_parallel_extraction"]
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05
+_REQUEST_TIMEOUT_S = 600.0  # HiddenStateClient's default
 _MAX_RESTARTS = 3
 
 
@@ -64,7 +67,6 @@ class _Worker:
     counters: dict[str, Any] = field(default_factory=dict)
     restarts: int = 0
     exited: bool = False
-    held: int = 0  # requests in flight it was granted
 
     @property
     def finished(self) -> int:
@@ -87,8 +89,10 @@ class _Parallel:
         self.store_path: str = options["store_path"]
         self.fail_fast: bool = options["fail_fast"]
         self.credit = specs[0].concurrency + 2
-        self.slots: int = options["concurrency"]  # per server
-        self.asking: dict[int, deque[_Worker]] = {spec.server: deque() for spec in specs}
+        self.posts = ParentPosts(
+            {spec.server: spec.url for spec in specs}, slots=options["concurrency"],
+            timeout=float(specs[0].client_options.get("request_timeout", _REQUEST_TIMEOUT_S)),
+        )  # fmt: skip
         self.context = multiprocessing.get_context("spawn")
         self.workers: list[_Worker] = []
         self.closed: dict[str, Any] = {name: 0 for name in (*COUNTERS, "retries", "skipped")}
@@ -112,6 +116,7 @@ class _Parallel:
             raise
         finally:
             self._reap()
+            self.posts.close()
 
     def _spawn(self, spec: WorkerSpec, restarts: int = 0) -> _Worker:
         ours, theirs = self.context.Pipe()
@@ -139,7 +144,10 @@ class _Parallel:
     def _wait_once(self) -> None:
         live = self._live()
         handles = {w.conn: w for w in live} | {w.process.sentinel: w for w in live}
-        for ready in multiprocessing.connection.wait(list(handles), timeout=1.0):
+        for ready in multiprocessing.connection.wait([self.posts.wakeup, *handles], timeout=1.0):
+            if ready is self.posts.wakeup:
+                self._answer()
+                continue
             worker = handles[ready]
             if worker.exited:
                 continue
@@ -156,8 +164,10 @@ class _Parallel:
             self._died(worker)
             return
         kind = message[0]
-        if kind in ("acquire", "release"):
-            self._gate(worker, kind)
+        if kind == "post":
+            _, rid, sample_id, body = message
+            asked = time.perf_counter()
+            self.posts.ask(Ask(worker, worker.spec.server, rid, sample_id, body, asked))
         elif kind == "ready" and not self._ready:
             self._ready = True
             self.summary.started = time.monotonic()  # rates exclude the workers' start-up
@@ -177,24 +187,17 @@ class _Parallel:
             raise WorkerError(f"worker {worker.spec.writer_id}: {reason}")
         logger.warning("leaving %s out of this run: %s", worker.spec.url, reason)
 
-    def _gate(self, worker: _Worker, kind: str) -> None:
-        """Requests in flight over all workers: granted in the order asked, at most ``slots``."""
-        if kind == "acquire":
-            self.asking[worker.spec.server].append(worker)
-        else:
-            worker.held -= 1
-        self._grant(worker.spec.server)
-
-    def _grant(self, server: int) -> None:
-        asking = self.asking[server]
-        peers = [w for w in self._live() if w.spec.server == server]
-        while asking and sum(w.held for w in peers) < self.slots:
-            asker = asking.popleft()
-            if asker.exited:
+    def _answer(self) -> None:
+        """Each answer in goes to the worker that asked (dropped if it is gone)."""
+        for ask, outcome in self.posts.answers():
+            if ask.owner.exited:
                 continue
-            asker.held += 1
+            if isinstance(outcome, HsdumpError):
+                payload: Any = (type(outcome).__name__, outcome.message)
+            else:
+                payload = outcome
             with contextlib.suppress(OSError):
-                asker.conn.send(("granted",))
+                ask.owner.conn.send(("answer", ask.rid, payload))
 
     def _failed(self, worker: _Worker, failure: Failure) -> None:
         if failure.sample_id is not None:
@@ -212,7 +215,7 @@ class _Parallel:
         worker.process.join(STOP_GRACE_S)
         worker.exited = True
         self._requeue(worker, flushed=True)
-        self._gate_freed(worker)
+        self.posts.forget(worker)
 
     def _died(self, worker: _Worker) -> None:
         worker.process.join(_POLL_S)
@@ -221,7 +224,7 @@ class _Parallel:
         logger.log(level, "worker %s died (exit code %s)", worker.spec.writer_id, code)
         worker.exited = True
         self._requeue(worker)
-        self._gate_freed(worker)
+        self.posts.forget(worker)
         if self.stopping or not self.pending or worker.spec.server in self.lost:
             return
         if worker.restarts >= _MAX_RESTARTS:
@@ -233,13 +236,6 @@ class _Parallel:
                 )
             return
         self.workers.append(self._spawn(worker.spec, worker.restarts + 1))
-
-    def _gate_freed(self, worker: _Worker) -> None:
-        """A dead worker's slots go to the workers waiting for one."""
-        worker.held = 0
-        server = worker.spec.server
-        self.asking[server] = deque(w for w in self.asking[server] if w is not worker)
-        self._grant(server)
 
     def _requeue(self, worker: _Worker, *, flushed: bool = False) -> None:
         """Samples given to ``worker`` that its part does not hold go back to the queue."""

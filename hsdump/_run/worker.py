@@ -2,8 +2,8 @@
 
 A worker opens its own `HiddenStateClient` and its own store part, and runs
 `run_extraction` on the samples the parent sends over a pipe. The
-same pipe carries its requests for a slot at the server (granted by the parent), its progress,
-and its end.
+same pipe carries its requests to the server (posted by the parent, which sends back each
+answer: `hsdump._run.posting`), its progress, and its end.
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ import multiprocessing
 import os
 import signal
 import sys
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import anyio.to_thread
 from anyio.abc import TaskGroup
 
+from hsdump._client.sending import ServerAnswer
 from hsdump._cores import ENV_CORES
-from hsdump._exceptions import HsdumpError
+from hsdump._exceptions import HsdumpError, ServerTimeout, ServerUnavailable
 from hsdump._run.pipeline import ExtractionSummary, ExtractorSpec, run_extraction
 from hsdump._types import Sample
 
@@ -37,43 +37,50 @@ STOP_GRACE_S = 120.0
 COUNTERS = ("samples_done", "tokens_done", "bytes_raw", "bytes_stored", "store_bytes_raw")
 
 
-@dataclass
-class _Waiter:
-    event: anyio.Event = field(default_factory=anyio.Event)
-    cancelled: bool = False
+class _OpenGate:
+    """No local bound: the parent posts the requests and holds the run's bound on them."""
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        return None
 
 
-class _ParentGate:
-    """A worker's share of the run's requests in flight, granted by the parent over the pipe.
+class _ParentSender:
+    """A `RequestSender` that hands each request to the parent, which posts it (see
+    `hsdump._run.posting`) and sends back the server's answer or why there was none.
 
-    The parent holds the count, so a worker that dies holding a slot gives it back by dying.
+    A request whose caller is cancelled is still posted (its answer is dropped here); its dump is
+    removed by the client as any abandoned request's is.
     """
 
     def __init__(self, conn: Any):
         self._conn = conn
-        self._waiting: deque[_Waiter] = deque()
+        self._waiting: dict[str, tuple[anyio.Event, list[Any]]] = {}
 
-    async def __aenter__(self) -> None:
-        waiter = _Waiter()
-        self._waiting.append(waiter)
-        self._conn.send(("acquire",))
+    async def post(self, body: dict[str, Any], *, sample_id: str | None, rid: str) -> ServerAnswer:
+        """Send ``body`` to /generate through the parent."""
+        event, box = anyio.Event(), list[Any]()
+        self._waiting[rid] = (event, box)
         try:
-            await waiter.event.wait()
-        except BaseException:
-            waiter.cancelled = True  # the grant may still come: it is handed back on arrival
-            if waiter.event.is_set():
-                self._conn.send(("release",))
-            raise
+            self._conn.send(("post", rid, sample_id, body))
+            await event.wait()
+        finally:
+            self._waiting.pop(rid, None)
+        outcome = box[0]
+        if isinstance(outcome, ServerAnswer):
+            return outcome
+        name, message = outcome
+        cls = ServerTimeout if name == "ServerTimeout" else ServerUnavailable
+        raise cls(message, sample_id=sample_id, rid=rid)
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        self._conn.send(("release",))
-
-    def granted(self) -> None:
-        """The parent granted the oldest request."""
-        waiter = self._waiting.popleft()
-        waiter.event.set()
-        if waiter.cancelled:
-            self._conn.send(("release",))
+    def answered(self, rid: str, outcome: Any) -> None:
+        """The parent's answer to ``rid``: a `ServerAnswer`, or an error's (class name, message)."""
+        waiting = self._waiting.get(rid)
+        if waiting is not None:
+            waiting[1].append(outcome)
+            waiting[0].set()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,7 +150,7 @@ async def _worker(spec: WorkerSpec, conn: Any) -> bool:
 
     reporter, lost = _Reporter(conn), False
     async with anyio.create_task_group() as group:
-        inbox = _Inbox(conn, _ParentGate(conn), group)
+        inbox = _Inbox(conn, _ParentSender(conn), group)
         group.start_soon(inbox.run)
         group.start_soon(inbox.stop_on_sigterm)
         try:
@@ -175,7 +182,8 @@ async def _extract(spec: WorkerSpec, inbox: _Inbox, reporter: _Reporter) -> None
             spec.url,
             dump_dir=spec.dump_dir,
             max_in_flight=spec.concurrency,
-            gate=inbox.gate,
+            gate=_OpenGate(),
+            sender=inbox.sender,
             **spec.client_options,
         )
         async with client:
@@ -194,15 +202,15 @@ async def _extract(spec: WorkerSpec, inbox: _Inbox, reporter: _Reporter) -> None
 
 
 class _Inbox:
-    """Messages from the parent: samples into the run's stream, grants to the gate.
+    """Messages from the parent: samples into the run's stream, answers to the sender.
 
     ``end`` closes the stream. ``stop`` (or SIGTERM, or the parent's death) also drops the samples
     not started yet: those in flight finish and commit, so no request is cut off and no dump is
     left behind, and after ``STOP_GRACE_S`` the rest of the run is cancelled.
     """
 
-    def __init__(self, conn: Any, gate: _ParentGate, group: TaskGroup):
-        self.conn, self.gate, self.group = conn, gate, group
+    def __init__(self, conn: Any, sender: _ParentSender, group: TaskGroup):
+        self.conn, self.sender, self.group = conn, sender, group
         self.send, self.receive = anyio.create_memory_object_stream[Sample](math.inf)
 
     async def run(self) -> None:
@@ -211,8 +219,8 @@ class _Inbox:
                 message = await anyio.to_thread.run_sync(self.conn.recv, abandon_on_cancel=True)
             except EOFError:
                 message = ("stop",)  # the parent is gone
-            if message[0] == "granted":
-                self.gate.granted()
+            if message[0] == "answer":
+                self.sender.answered(message[1], message[2])
             elif message[0] == "samples":
                 for sample in message[1]:
                     with contextlib.suppress(anyio.ClosedResourceError):
