@@ -443,6 +443,45 @@ def store_diag(args: argparse.Namespace, rows: list[dict], shm: Path) -> None:
     shutil.rmtree(source, ignore_errors=True)
 
 
+def _load(url: str, rows: list[dict], conc: int, root: str, hold: bool, stop, served) -> None:
+    """Requests to the server until ``stop`` is set; ``served`` sums tokens and seconds."""
+    while not stop.is_set():
+        served[1] += asyncio.run(plain(url, rows, conc, root, hold))
+        served[0] += len(rows) * TOKENS
+
+
+def store_beside_load(args: argparse.Namespace, rows: list[dict], shm: Path) -> None:
+    """The store alone in memory (fed with moments, as the extraction's store is) with the server
+    idle, serving without dumps, and dumping: what the server's work beside the store, and its
+    dump writes into the tmpfs in particular, cost the store's rate."""
+    import threading
+
+    got = extract(args, rows, args.disk, 8)
+    source = got["store"]
+    loads = {"idle": None, "serving 8": (8, "", False), "dumping 1 held": (1, args.dump_dir, True),
+             "dumping 8": (8, args.dump_dir, False)}  # fmt: skip
+    for label, load in loads.items():
+        stop, served = threading.Event(), [0.0, 0.0]
+        thread = None if load is None else threading.Thread(
+            target=_load, args=(args.url, rows[:32], *load, stop, served), daemon=True
+        )  # fmt: skip
+        if thread is not None:
+            thread.start()
+        cpu = server_cpu_s()
+        t0 = time.monotonic()
+        row = store_alone(source, shm, args.workers, moments=True)
+        busy = (server_cpu_s() - cpu) / (time.monotonic() - t0)
+        stop.set()
+        if thread is not None:
+            thread.join()
+        log(
+            args.out, row="store alone beside the server", server=label, workers=args.workers,
+            **{**row, "tok_per_s": round(row["tok_per_s"])}, server_cores_busy=round(busy, 2),
+            load_tok_per_s=round(served[0] / served[1]) if served[1] else 0,
+        )  # fmt: skip
+    shutil.rmtree(source, ignore_errors=True)
+
+
 def sweep(args: argparse.Namespace, rows: list[dict], shm: Path, concs, results) -> None:
     """``hsdump extract`` on /dev/shm with each worker count: how the client's share of the cores
     moves the end-to-end rate."""
@@ -486,6 +525,9 @@ def main() -> None:
     p.add_argument("--store-diag", action="store_true",
                    help="after the dump-only rows: store alone in memory on the run's and on "
                    "random states, server up and stopped")  # fmt: skip
+    p.add_argument("--store-beside-load", action="store_true",
+                   help="after the dump-only rows: store alone in memory with the server idle, "
+                   "serving and dumping")  # fmt: skip
     p.add_argument("--store-workers", default="", help="e.g. 1,2,4,8: store-alone rows in memory")
     args = p.parse_args()
     concs = [int(c) for c in args.concs.split(",")]
@@ -540,6 +582,9 @@ def main() -> None:
         return
     if args.store_diag:
         store_diag(args, rows, shm)
+        return
+    if args.store_beside_load:
+        store_beside_load(args, rows, shm)
         return
     source = None
     for where, label in ((args.disk, "disk"), (shm, "shm")):
