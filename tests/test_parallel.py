@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _servers import count_requests
 
 from hsdump import Sample, WorkerError, open_store, run_parallel_extraction, verify_store
 from hsdump.testing import FakeServer, Fault
@@ -135,17 +136,7 @@ def test_a_store_process_that_dies_costs_its_worker_a_restart_and_nothing_more(
 
 
 def test_requests_in_flight_stay_bounded_over_all_workers(fake, tmp_path) -> None:
-    generate, now, peak = fake.engine.generate, [0], [0]
-
-    async def counting(request):
-        now[0] += 1
-        peak[0] = max(peak[0], now[0])
-        try:
-            return await generate(request)
-        finally:
-            now[0] -= 1
-
-    fake.engine.generate = counting
+    _, peak = count_requests(fake)
     fake.engine.latency = 0.02
     summary = _run(fake, tmp_path / "s.zarr", _samples(30), workers=3, concurrency=2)
     assert summary.ok and summary.samples_done == 30

@@ -8,6 +8,7 @@ import socket
 from pathlib import Path
 
 import pytest
+from _servers import count_requests
 
 from hsdump import ServerUnavailable
 from hsdump._client.sending import ServerAnswer
@@ -36,24 +37,8 @@ def fake(tmp_path: Path):
         yield server
 
 
-def _counting(fake: FakeServer) -> tuple[list[str], list[int]]:
-    generate, order, peak, now = fake.engine.generate, [], [0], [0]
-
-    async def counting(request):
-        order.append(request.rid)
-        now[0] += 1
-        peak[0] = max(peak[0], now[0])
-        try:
-            return await generate(request)
-        finally:
-            now[0] -= 1
-
-    fake.engine.generate = counting
-    return order, peak
-
-
 def test_posts_keep_at_most_slots_at_the_server_and_go_out_in_the_order_asked(fake) -> None:
-    order, peak = _counting(fake)
+    order, peak = count_requests(fake)
     posts = ParentPosts({0: fake.url}, slots=2, timeout=10)
     try:
         rids = [f"plain-{i}" for i in range(6)]  # not opted in: answered, nothing dumped
@@ -83,7 +68,7 @@ def test_the_time_a_request_waited_for_its_slot_is_in_its_answer(fake) -> None:
 
 
 def test_what_a_gone_worker_asked_is_not_posted(fake) -> None:
-    order, _ = _counting(fake)
+    order, _ = count_requests(fake)
     posts = ParentPosts({0: fake.url}, slots=1, timeout=10)
     try:
         posts.ask(Ask("alive", 0, "first", None, _body("first"), 0.0))
