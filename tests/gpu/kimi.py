@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -482,6 +483,109 @@ def store_beside_load(args: argparse.Namespace, rows: list[dict], shm: Path) -> 
     shutil.rmtree(source, ignore_errors=True)
 
 
+async def keep_dumps(url: str, rows: list[dict], conc: int, root: str, kept: Path) -> None:
+    """Dump ``rows`` at ``conc`` in flight and move each published dump out of the root into
+    ``kept`` (a rename on the same tmpfs): the plugin counts it consumed, its pages stay as the
+    server wrote them."""
+    import httpx
+
+    sem = asyncio.Semaphore(conc)
+    async with httpx.AsyncClient(timeout=300) as client:
+
+        async def one(s: dict) -> None:
+            rid = f"hsdump-{uuid.uuid4().hex}"
+            body = {"rid": rid, "input_ids": s["input_ids"], "extra_key": uuid.uuid4().hex,
+                    "sampling_params": {"max_new_tokens": 0, "temperature": 0}}  # fmt: skip
+            async with sem:
+                (await client.post(f"{url}/generate", json=body)).raise_for_status()
+            path = Path(root) / f"req_{rid}"
+            while not (path / "done").exists():
+                if (path / "error").exists():
+                    raise RuntimeError((path / "error").read_text())
+                await asyncio.sleep(0.002)
+            os.rename(path, kept / path.name)
+
+        await asyncio.gather(*(one(s) for s in rows))
+
+
+def _store_dumps_part(kept: str, dest: str, index: int, workers: int, barrier, results) -> None:
+    """One writer of the store-from-dumps row: read its share of the kept dumps as a worker does
+    (mapped, moments spot-checked, values left to the store's placement) and store them, timed."""
+    import resource
+
+    os.environ["HSDUMP_CORES"] = str(max(1, (os.cpu_count() or 1) // workers))
+    from hsdump import HiddenStates, open_store
+    from hsdump._client.loading import read_dump, to_torch
+    from hsdump._cores import switch_interval
+
+    paths = sorted(Path(kept).iterdir())[index::workers]
+    barrier.wait()
+    t0, r0 = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
+    tokens = 0
+    with switch_interval(), open_store(dest, "a", writer_id=f"w{index}") as store:
+        for i, path in enumerate(paths):
+            dump = read_dump(path, check_values=False, moments=True)
+            meta = dump.meta
+            store.write(HiddenStates(
+                sample_id=f"d{index}-{i}", input_ids=torch.tensor(meta.input_ids),
+                aux_hidden_states=to_torch(dump.aux, meta.dtype),
+                final_hidden_state=to_torch(dump.final, meta.dtype),
+                layer_ids=list(meta.layer_ids), meta=meta, values_checked=False,
+                row_moments=torch.from_numpy(dump.moments),
+            ))  # fmt: skip
+            tokens += meta.num_tokens
+            del dump
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    results.put((t0, time.monotonic(), tokens, r1.ru_utime - r0.ru_utime,
+                 r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt))  # fmt: skip
+
+
+def store_from_dumps(args: argparse.Namespace, rows: list[dict], shm: Path) -> None:
+    """In memory, side by side: the store alone fed from loaded states with their moments, and
+    the store fed from the server's dump files, read as a worker reads them. Their gap is what
+    reading fresh dump pages costs; the extraction's gap to the second is the rest of a worker's
+    work (the watch, the checks, the event loop)."""
+    got = extract(args, rows, shm, 8)
+    log(args.out, row="extract", on="shm", conc=8, workers=args.workers, **got)
+    source = got["store"]
+    kept = Path(args.dump_dir).parent / "kimi-kept"
+    shutil.rmtree(kept, ignore_errors=True)
+    kept.mkdir(parents=True)
+    asyncio.run(keep_dumps(args.url, rows, 8, args.dump_dir, kept))
+    for _ in range(2):  # twice: the spread between rows of one run
+        loaded = store_alone(source, shm, args.workers, moments=True)
+        dest = shm / "kimi-store-dumps.zarr"
+        shutil.rmtree(dest, ignore_errors=True)
+        ctx = multiprocessing.get_context("spawn")
+        barrier, results = ctx.Barrier(args.workers), ctx.Queue()
+        procs = [ctx.Process(target=_store_dumps_part,
+                             args=(str(kept), str(dest), i, args.workers, barrier, results))
+                 for i in range(args.workers)]  # fmt: skip
+        for p in procs:
+            p.start()
+        parts = [results.get(timeout=600) for _ in procs]
+        for p in procs:
+            p.join()
+        shutil.rmtree(dest, ignore_errors=True)
+        start, end = min(g[0] for g in parts), max(g[1] for g in parts)
+        gb = sum(g[2] for g in parts) * ROW_BYTES / 1e9
+        rate = sum(g[2] for g in parts) / (end - start)
+        log(
+            args.out, row="store from dumps", workers=args.workers,
+            loaded_tok_per_s=round(loaded["tok_per_s"]), dumps_tok_per_s=round(rate),
+            dumps_of_loaded=round(rate / loaded["tok_per_s"], 3),
+            extract_of_dumps=round(got["tok_per_s"] / rate, 3),
+            dumps_cores_busy=round(sum(g[3] + g[4] for g in parts) / (end - start), 1),
+            loaded_cores_busy=loaded["cores_busy"],
+            dumps_sys_core_s_per_gb=round(sum(g[4] for g in parts) / gb, 2),
+            loaded_sys_core_s_per_gb=loaded["sys_core_s_per_gb"],
+            dumps_minor_faults_per_gb=round(sum(g[5] for g in parts) / gb),
+            loaded_minor_faults_per_gb=loaded["minor_faults_per_gb"],
+        )  # fmt: skip
+    shutil.rmtree(kept, ignore_errors=True)
+    shutil.rmtree(source, ignore_errors=True)
+
+
 def sweep(args: argparse.Namespace, rows: list[dict], shm: Path, concs, results) -> None:
     """``hsdump extract`` on /dev/shm with each worker count: how the client's share of the cores
     moves the end-to-end rate."""
@@ -528,6 +632,11 @@ def main() -> None:
     p.add_argument("--store-beside-load", action="store_true",
                    help="after the dump-only rows: store alone in memory with the server idle, "
                    "serving and dumping")  # fmt: skip
+    p.add_argument(
+        "--store-from-dumps",
+        action="store_true",
+        help="the store alone fed from loaded states and from the server's dump files",
+    )
     p.add_argument("--store-workers", default="", help="e.g. 1,2,4,8: store-alone rows in memory")
     args = p.parse_args()
     concs = [int(c) for c in args.concs.split(",")]
@@ -582,6 +691,9 @@ def main() -> None:
         return
     if args.store_diag:
         store_diag(args, rows, shm)
+        return
+    if args.store_from_dumps:
+        store_from_dumps(args, rows, shm)
         return
     if args.store_beside_load:
         store_beside_load(args, rows, shm)
