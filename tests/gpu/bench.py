@@ -62,12 +62,17 @@ async def plain(
         return time.perf_counter() - t0
 
 
-async def consume(path: Path) -> None:
+async def consume(path: Path, keep: Path | None = None) -> None:
+    """Wait for the dump at ``path`` to be published, then delete it, or move it into ``keep``
+    (a rename on the same filesystem, so its pages stay as the server wrote them)."""
     while not (path / "done").exists():
         if (path / "error").exists():
             raise RuntimeError((path / "error").read_text())
         await asyncio.sleep(0.002)
-    await asyncio.to_thread(shutil.rmtree, path)
+    if keep is None:
+        await asyncio.to_thread(shutil.rmtree, path)
+    else:
+        os.rename(path, keep / path.name)
 
 
 def extract(

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 import store_probe
-from bench import dataset, plain
+from bench import consume, dataset, plain
 
 TOKENS, ROW_BYTES = 2048, 4 * 7168 * 2
 
@@ -498,12 +498,7 @@ async def keep_dumps(url: str, rows: list[dict], conc: int, root: str, kept: Pat
                     "sampling_params": {"max_new_tokens": 0, "temperature": 0}}  # fmt: skip
             async with sem:
                 (await client.post(f"{url}/generate", json=body)).raise_for_status()
-            path = Path(root) / f"req_{rid}"
-            while not (path / "done").exists():
-                if (path / "error").exists():
-                    raise RuntimeError((path / "error").read_text())
-                await asyncio.sleep(0.002)
-            os.rename(path, kept / path.name)
+            await consume(Path(root) / f"req_{rid}", keep=kept)
 
         await asyncio.gather(*(one(s) for s in rows))
 
