@@ -241,7 +241,14 @@ def print_spy(
 
 
 def _store_part(
-    source: str, dest: str, index: int, workers: int, barrier, results, moments: bool = False
+    source: str,
+    dest: str,
+    index: int,
+    workers: int,
+    barrier,
+    results,
+    moments: bool = False,
+    unchecked: bool = False,
 ) -> None:
     """One writer of the store-alone row: load its share (untimed), then write it (timed).
 
@@ -268,6 +275,8 @@ def _store_part(
             aux, final = (t.contiguous().view(torch.uint16).numpy() for t in
                           (hs.aux_hidden_states, hs.final_hidden_state))  # fmt: skip
             hs.row_moments = torch.from_numpy(row_moments(aux, final, "bfloat16"))
+    for hs in states if unchecked else []:  # values left to the placement's check, as in dumps
+        hs.values_checked = False
     barrier.wait()
     t0, r0 = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
     # The interpreter's switch interval of an extraction run (HSDUMP_SWITCH_INTERVAL_US).
@@ -350,6 +359,7 @@ def store_alone(
     out: Path | None = None,
     native: bool = False,
     moments: bool = False,
+    unchecked: bool = False,
 ) -> dict[str, float]:
     """The store-alone row of ``workers`` processes: its rate (``tok_per_s``), the cores they
     kept busy, and their user and system core-seconds and minor faults per GB."""
@@ -359,7 +369,8 @@ def store_alone(
     barrier, results = ctx.Barrier(workers), ctx.Queue()
     procs = [
         ctx.Process(
-            target=_store_part, args=(source, str(dest), i, workers, barrier, results, moments)
+            target=_store_part,
+            args=(source, str(dest), i, workers, barrier, results, moments, unchecked),
         )
         for i in range(workers)
     ]
@@ -383,15 +394,7 @@ def store_alone(
     for p in procs:
         p.join()
     shutil.rmtree(dest, ignore_errors=True)
-    start, end = min(g[0] for g in got), max(g[1] for g in got)
-    gb = sum(g[2] for g in got) * ROW_BYTES / 1e9
-    return {
-        "tok_per_s": sum(g[2] for g in got) / (end - start),
-        "cores_busy": round(sum(g[3] + g[4] for g in got) / (end - start), 1),
-        "user_core_s_per_gb": round(sum(g[3] for g in got) / gb, 2),
-        "sys_core_s_per_gb": round(sum(g[4] for g in got) / gb, 2),
-        "minor_faults_per_gb": round(sum(g[5] for g in got) / gb),
-    }
+    return _row_figures(got)
 
 
 def _server_pids() -> list[int]:
@@ -503,43 +506,105 @@ async def keep_dumps(url: str, rows: list[dict], conc: int, root: str, kept: Pat
         await asyncio.gather(*(one(s) for s in rows))
 
 
-def _store_dumps_part(kept: str, dest: str, index: int, workers: int, barrier, results) -> None:
-    """One writer of the store-from-dumps row: read its share of the kept dumps as a worker does
-    (mapped, moments spot-checked, values left to the store's placement) and store them, timed."""
+def _store_dumps_part(
+    kept: str, dest: str, index: int, workers: int, barrier, results, mode: str
+) -> None:
+    """One writer of a store-from-dumps row: read its share of the kept dumps as a worker does
+    (mapped, moments spot-checked, values left to the store's placement) and store them, timed.
+
+    ``mode`` "mapped" reads every dump before the clock starts (the row times placing fresh dump
+    pages); "inline" reads each dump just before its write, in the writing thread; "ahead" reads
+    the next dump in a thread while the current one is written, as a worker's tasks overlap.
+    """
     import resource
+    from concurrent.futures import ThreadPoolExecutor
 
     os.environ["HSDUMP_CORES"] = str(max(1, (os.cpu_count() or 1) // workers))
     from hsdump import HiddenStates, open_store
     from hsdump._client.loading import read_dump, to_torch
     from hsdump._cores import switch_interval
 
+    def states(path: Path, i: int) -> HiddenStates:
+        dump = read_dump(path, check_values=False, moments=True)
+        meta = dump.meta
+        return HiddenStates(
+            sample_id=f"d{index}-{i}", input_ids=torch.tensor(meta.input_ids),
+            aux_hidden_states=to_torch(dump.aux, meta.dtype),
+            final_hidden_state=to_torch(dump.final, meta.dtype),
+            layer_ids=list(meta.layer_ids), meta=meta, values_checked=False,
+            row_moments=torch.from_numpy(dump.moments),
+        )  # fmt: skip
+
     paths = sorted(Path(kept).iterdir())[index::workers]
+    read = [states(p, i) for i, p in enumerate(paths)] if mode == "mapped" else []
     barrier.wait()
     t0, r0 = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
     tokens = 0
     with switch_interval(), open_store(dest, "a", writer_id=f"w{index}") as store:
-        for i, path in enumerate(paths):
-            dump = read_dump(path, check_values=False, moments=True)
-            meta = dump.meta
-            store.write(HiddenStates(
-                sample_id=f"d{index}-{i}", input_ids=torch.tensor(meta.input_ids),
-                aux_hidden_states=to_torch(dump.aux, meta.dtype),
-                final_hidden_state=to_torch(dump.final, meta.dtype),
-                layer_ids=list(meta.layer_ids), meta=meta, values_checked=False,
-                row_moments=torch.from_numpy(dump.moments),
-            ))  # fmt: skip
-            tokens += meta.num_tokens
-            del dump
+        if mode == "mapped":
+            for hs in read:
+                store.write(hs)
+                tokens += hs.num_tokens
+            read.clear()
+        elif mode == "inline":
+            for i, path in enumerate(paths):
+                hs = states(path, i)
+                store.write(hs)
+                tokens += hs.num_tokens
+                del hs
+        else:
+            with ThreadPoolExecutor(1) as reader:
+                nxt = reader.submit(states, paths[0], 0) if paths else None
+                for i in range(len(paths)):
+                    hs = nxt.result()
+                    nxt = reader.submit(states, paths[i + 1], i + 1) if i + 1 < len(paths) else None
+                    store.write(hs)
+                    tokens += hs.num_tokens
+                    del hs
     r1 = resource.getrusage(resource.RUSAGE_SELF)
     results.put((t0, time.monotonic(), tokens, r1.ru_utime - r0.ru_utime,
                  r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt))  # fmt: skip
 
 
+def _store_dumps(kept: Path, where: Path, workers: int, mode: str) -> dict[str, float]:
+    """A store-from-dumps row of ``workers`` processes (`_store_dumps_part`), as `store_alone`
+    reports its row."""
+    dest = where / "kimi-store-dumps.zarr"
+    shutil.rmtree(dest, ignore_errors=True)
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(workers), ctx.Queue()
+    procs = [ctx.Process(target=_store_dumps_part,
+                         args=(str(kept), str(dest), i, workers, barrier, results, mode))
+             for i in range(workers)]  # fmt: skip
+    for p in procs:
+        p.start()
+    parts = [results.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    shutil.rmtree(dest, ignore_errors=True)
+    return _row_figures(parts)
+
+
+def _row_figures(parts: list[tuple]) -> dict[str, float]:
+    """A row's rate and cost from its processes' (start, end, tokens, user s, sys s, faults)."""
+    start, end = min(g[0] for g in parts), max(g[1] for g in parts)
+    gb = sum(g[2] for g in parts) * ROW_BYTES / 1e9
+    return {
+        "tok_per_s": sum(g[2] for g in parts) / (end - start),
+        "cores_busy": round(sum(g[3] + g[4] for g in parts) / (end - start), 1),
+        "user_core_s_per_gb": round(sum(g[3] for g in parts) / gb, 2),
+        "sys_core_s_per_gb": round(sum(g[4] for g in parts) / gb, 2),
+        "minor_faults_per_gb": round(sum(g[5] for g in parts) / gb),
+    }
+
+
 def store_from_dumps(args: argparse.Namespace, rows: list[dict], shm: Path) -> None:
-    """In memory, side by side: the store alone fed from loaded states with their moments, and
-    the store fed from the server's dump files, read as a worker reads them. Their gap is what
-    reading fresh dump pages costs; the extraction's gap to the second is the rest of a worker's
-    work (the watch, the checks, the event loop)."""
+    """In memory, side by side, the store alone fed five ways: loaded states with their moments
+    (values checked, and left to the placement's check as in dumps), and the server's dump files
+    read as a worker reads them (all before the clock, each just before its write, and the next
+    while the current is written). Their gaps are what the value check, placing fresh dump pages
+    and reading dumps cost; the extraction's gap to the last is the rest of a worker's work (the
+    watch, the checks of the metadata, the event loop)."""
     got = extract(args, rows, shm, 8)
     log(args.out, row="extract", on="shm", conc=8, workers=args.workers, **got)
     source = got["store"]
@@ -549,34 +614,20 @@ def store_from_dumps(args: argparse.Namespace, rows: list[dict], shm: Path) -> N
     asyncio.run(keep_dumps(args.url, rows, 8, args.dump_dir, kept))
     for _ in range(2):  # twice: the spread between rows of one run
         loaded = store_alone(source, shm, args.workers, moments=True)
-        dest = shm / "kimi-store-dumps.zarr"
-        shutil.rmtree(dest, ignore_errors=True)
-        ctx = multiprocessing.get_context("spawn")
-        barrier, results = ctx.Barrier(args.workers), ctx.Queue()
-        procs = [ctx.Process(target=_store_dumps_part,
-                             args=(str(kept), str(dest), i, args.workers, barrier, results))
-                 for i in range(args.workers)]  # fmt: skip
-        for p in procs:
-            p.start()
-        parts = [results.get(timeout=600) for _ in procs]
-        for p in procs:
-            p.join()
-        shutil.rmtree(dest, ignore_errors=True)
-        start, end = min(g[0] for g in parts), max(g[1] for g in parts)
-        gb = sum(g[2] for g in parts) * ROW_BYTES / 1e9
-        rate = sum(g[2] for g in parts) / (end - start)
-        log(
-            args.out, row="store from dumps", workers=args.workers,
-            loaded_tok_per_s=round(loaded["tok_per_s"]), dumps_tok_per_s=round(rate),
-            dumps_of_loaded=round(rate / loaded["tok_per_s"], 3),
-            extract_of_dumps=round(got["tok_per_s"] / rate, 3),
-            dumps_cores_busy=round(sum(g[3] + g[4] for g in parts) / (end - start), 1),
-            loaded_cores_busy=loaded["cores_busy"],
-            dumps_sys_core_s_per_gb=round(sum(g[4] for g in parts) / gb, 2),
-            loaded_sys_core_s_per_gb=loaded["sys_core_s_per_gb"],
-            dumps_minor_faults_per_gb=round(sum(g[5] for g in parts) / gb),
-            loaded_minor_faults_per_gb=loaded["minor_faults_per_gb"],
-        )  # fmt: skip
+        unchecked = store_alone(source, shm, args.workers, moments=True, unchecked=True)
+        rows_of = {
+            m: _store_dumps(kept, shm, args.workers, m) for m in ("mapped", "inline", "ahead")
+        }
+        for name, row in [("loaded", loaded), ("loaded unchecked", unchecked)] + [
+            (f"dumps {m}", r) for m, r in rows_of.items()
+        ]:
+            log(
+                args.out, row="store from dumps", feed=name, workers=args.workers,
+                tok_per_s=round(row["tok_per_s"]),
+                of_loaded=round(row["tok_per_s"] / loaded["tok_per_s"], 3),
+                extract_of_row=round(got["tok_per_s"] / row["tok_per_s"], 3),
+                **{k: v for k, v in row.items() if k != "tok_per_s"},
+            )  # fmt: skip
     shutil.rmtree(kept, ignore_errors=True)
     shutil.rmtree(source, ignore_errors=True)
 
