@@ -16,6 +16,11 @@ store still holds the sample before. Reading into fresh memory costs most in the
 the allocator and the kernel hand out pages never used before (as for each dump of a worker that
 has freed none of that size yet); later rounds reuse freed memory.
 
+Then how long the mapped path keeps the process's other threads (the store's codec threads, the
+event loop) from the interpreter lock: the longest wait of a Python thread while the dumps are
+mapped unchecked beside it, with the pages faulted in by hsdump (the lock released) and by
+Python's own `mmap.mmap.madvise` (which holds it for the whole call) side by side.
+
 Run ``python benchmarks/bench_ingest.py`` (``--dumps N --rounds R``; ~10 s on 2 cores).
 """
 
@@ -23,7 +28,9 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -69,6 +76,44 @@ def reading_only() -> Iterator[None]:
         validate._MADV_POPULATE_READ = advice
 
 
+@contextmanager
+def python_madvise() -> Iterator[None]:
+    """The baseline: pages faulted in by `mmap.mmap.madvise`, which holds the interpreter lock."""
+    populate = validate.populate
+    validate.populate = lambda mapped, advice: mapped.madvise(advice)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        validate.populate = populate
+
+
+def longest_wait(paths: list[Path]) -> float:
+    """The longest a Python thread went without the interpreter lock while every dump was mapped
+    unchecked beside it, in ms; a switch interval of 0.5 ms, as in an extraction, bounds the
+    waits that the mapping's own Python causes."""
+    last, worst, stop = [time.perf_counter()], [0.0], threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            now = time.perf_counter()
+            worst[0] = max(worst[0], now - last[0])
+            last[0] = now
+
+    alive: deque[Dump] = deque(maxlen=2)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        for path in paths:
+            alive.append(read_dump(path, check_values=False))
+    finally:
+        stop.set()
+        spinner.join()
+        sys.setswitchinterval(interval)
+    return worst[0] * 1e3
+
+
 def one_round(paths: list[Path]) -> tuple[float, float]:
     """Thread CPU seconds per GB and GB/s of reading every dump once."""
     alive: deque[Dump] = deque(maxlen=2)
@@ -98,6 +143,15 @@ def main() -> None:
                 f"{name:<7}: first round {first[0]:.2f} core-s per GB ({first[1]:.2f} GB/s on "
                 f"one thread), best {best[0]:.2f} ({best[1]:.2f} GB/s)"
             )
+        waits: dict[str, list[float]] = {"hsdump": [], "mmap.madvise": []}
+        for _ in range(args.rounds):
+            waits["hsdump"].append(longest_wait(paths))
+            with python_madvise():
+                waits["mmap.madvise"].append(longest_wait(paths))
+        print(
+            "longest wait of another thread for the interpreter lock while dumps are mapped: "
+            + ", ".join(f"{n} {min(v):.1f}-{max(v):.1f} ms" for n, v in waits.items())
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -29,7 +29,7 @@ from hsdump._exceptions import (
     ShapeMismatch,
     TokenMismatch,
 )
-from hsdump._mapped import MADV_POPULATE_READ, MappedFile
+from hsdump._mapped import MADV_POPULATE_READ, MappedFile, populate
 from hsdump._protocol import (
     DumpMeta,
     ProducerManifest,
@@ -338,7 +338,7 @@ def map_private(fd: int, nbytes: int) -> MappedFile | None:
     except (OSError, ValueError):
         return None
     try:
-        mapped.madvise(_MADV_POPULATE_READ)
+        populate(mapped, _MADV_POPULATE_READ)
     except OSError as exc:
         mapped.close()
         if exc.errno == errno.EFAULT:
