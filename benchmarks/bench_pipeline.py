@@ -373,7 +373,8 @@ def cpu_row(conc: int, srv: Run, store: Run, e2e: Run, tokens_per_sample: float)
 
 async def budget_check(server: Server, batch: list[Sample], work: Path, row: int) -> int:
     tokens = len(batch[0].input_ids)
-    budget = 3 * tokens * (row + 16) + 3 * 4096
+    # three dumps: rows, token ids in meta.json (16 bytes a token), row moments (8 a layer)
+    budget = 3 * tokens * (row + 16 + 8 * (len(LAYERS) + 1)) + 3 * 4096
     sampler = DumpRootSampler(server.dump_dir)
     sampler.start()
     _, client, _ = await end_to_end(server, batch, work / "budget.zarr", 8, budget=budget)

@@ -523,6 +523,31 @@ async def test_dump_budget_bounds_bytes_in_flight(server: FakeServer) -> None:
     assert client.stats.requests == 24 and client.stats.tokens == 24 * 12
 
 
+async def test_the_budget_counts_every_file_of_a_dump_of_long_prompts(server: FakeServer) -> None:
+    # At 512 tokens the row moments (8 bytes a layer a token) outgrow meta.json's allowance.
+    assert server.capabilities.row_moments
+    peak = 0
+    stop = threading.Event()
+
+    def sample_dump_root() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, dump_bytes(server.dump_dir))
+
+    sampler = threading.Thread(target=sample_dump_root)
+    sampler.start()
+    try:
+        async with HiddenStateClient(
+            server.url, dump_dir=server.dump_dir, max_in_flight=1
+        ) as client:
+            for i in range(8):
+                await client.extract(sample(i, n=512))
+    finally:
+        stop.set()
+        sampler.join()
+    assert 0 < peak <= client.budget.peak  # one dump in flight, every byte of it accounted
+
+
 def publish_claiming(root: Path, rid: str, ids: list[int], **claims: Any) -> Path:
     """Publish a dump of ``ids`` whose meta.json claims ``claims``; its files match the claims'
     shapes where that is a sane size, and are small otherwise."""

@@ -61,6 +61,7 @@ __all__ = ["ClientStats", "HiddenStateClient"]
 logger = logging.getLogger(__name__)
 # What a dump holds beside its tensors: meta.json (token ids as JSON text) and the markers.
 _META_BYTES, _META_BYTES_PER_TOKEN = 4096, 16
+_MOMENT_BYTES = 8  # moments.bin, a layer of a token: float32 sum and sum of squares
 # The probe at open: one token, and a short wait, since a dump normally follows its response.
 _PROBE, _PROBE_DUMP_WAIT = Sample(id="hsdump-probe", input_ids=[0]), 5.0
 _DECLARED_LAYERS = "return_aux_hidden_state_layer_ids"  # in /server_info, when the server says
@@ -339,7 +340,7 @@ class HiddenStateClient:
             raise ConfigError(f"this client is {self._state.value}: use it inside `async with`")
         self.limits.check(sample.input_ids, sample_id=sample.id)
         self._sweep_abandoned()
-        nbytes = _META_BYTES + len(sample.input_ids) * (self._row_bytes() + _META_BYTES_PER_TOKEN)
+        nbytes = _META_BYTES + len(sample.input_ids) * self._dump_bytes_per_token()
         await self.budget.acquire(nbytes)
         try:
             return await self._extract_once(sample, defer_value_checks)
@@ -492,6 +493,14 @@ class HiddenStateClient:
         m = self.manifest
         assert m is not None
         return (len(m.layer_ids) + 1) * m.hidden_size * dtype_itemsize(m.dtype)
+
+    def _dump_bytes_per_token(self) -> int:
+        """What a dump holds a token: its rows, its token id in meta.json and, where the producer
+        announces them, its row moments (a float32 sum and sum of squares a layer)."""
+        m = self.manifest
+        assert m is not None
+        moments = (len(m.layer_ids) + 1) * _MOMENT_BYTES if m.capabilities.row_moments else 0
+        return self._row_bytes() + _META_BYTES_PER_TOKEN + moments
 
     def _abandon(self, rid: str) -> None:
         path = request_dir(self.dump_dir, rid)
