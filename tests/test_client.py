@@ -489,23 +489,32 @@ def dump_bytes(root: Path) -> int:
     return total
 
 
+@contextlib.contextmanager
+def dump_root_peak(root: Path) -> Iterator[list[int]]:
+    """The most bytes seen in ``root``'s request directories while the block runs, in ``[0]``."""
+    peak, stop = [0], threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], dump_bytes(root))
+
+    sampler = threading.Thread(target=watch)
+    sampler.start()
+    try:
+        yield peak
+    finally:
+        stop.set()
+        sampler.join()
+
+
 async def test_dump_budget_bounds_bytes_in_flight(server: FakeServer) -> None:
     server.engine.latency = 0.01
     row = (len(LAYERS) + 1) * HIDDEN * 2
-    one_sample = 4096 + 12 * (row + 16)  # tensors plus meta.json and markers
+    moments = (len(LAYERS) + 1) * 8
+    one_sample = 4096 + 12 * (row + 16 + moments)  # tensors, moments, meta.json and markers
     budget = 3 * one_sample
     samples = [sample(i) for i in range(24)]
-    peak = 0
-    stop = threading.Event()
-
-    def sample_dump_root() -> None:
-        nonlocal peak
-        while not stop.is_set():
-            peak = max(peak, dump_bytes(server.dump_dir))
-
-    sampler = threading.Thread(target=sample_dump_root)
-    sampler.start()
-    try:
+    with dump_root_peak(server.dump_dir) as peak:
         async with (
             HiddenStateClient(
                 server.url, dump_dir=server.dump_dir, max_in_flight=8, dump_budget_bytes=budget
@@ -514,11 +523,8 @@ async def test_dump_budget_bounds_bytes_in_flight(server: FakeServer) -> None:
         ):
             for s in samples:
                 tg.start_soon(client.extract, s)
-    finally:
-        stop.set()
-        sampler.join()
     assert one_sample < client.budget.peak <= budget  # more than one in flight, never over
-    assert 0 < peak <= budget
+    assert 0 < peak[0] <= budget
     assert client.budget.in_use == 0
     assert client.stats.requests == 24 and client.stats.tokens == 24 * 12
 
@@ -526,26 +532,13 @@ async def test_dump_budget_bounds_bytes_in_flight(server: FakeServer) -> None:
 async def test_the_budget_counts_every_file_of_a_dump_of_long_prompts(server: FakeServer) -> None:
     # At 512 tokens the row moments (8 bytes a layer a token) outgrow meta.json's allowance.
     assert server.capabilities.row_moments
-    peak = 0
-    stop = threading.Event()
-
-    def sample_dump_root() -> None:
-        nonlocal peak
-        while not stop.is_set():
-            peak = max(peak, dump_bytes(server.dump_dir))
-
-    sampler = threading.Thread(target=sample_dump_root)
-    sampler.start()
-    try:
+    with dump_root_peak(server.dump_dir) as peak:
         async with HiddenStateClient(
             server.url, dump_dir=server.dump_dir, max_in_flight=1
         ) as client:
             for i in range(8):
                 await client.extract(sample(i, n=512))
-    finally:
-        stop.set()
-        sampler.join()
-    assert 0 < peak <= client.budget.peak  # one dump in flight, every byte of it accounted
+    assert 0 < peak[0] <= client.budget.peak  # one dump in flight, every byte of it accounted
 
 
 def publish_claiming(root: Path, rid: str, ids: list[int], **claims: Any) -> Path:
