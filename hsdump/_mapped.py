@@ -76,7 +76,7 @@ def _address_of(mapped: mmap.mmap) -> int:
 def populate(mapped: mmap.mmap, advice: int = MADV_POPULATE_READ) -> None:
     """Fault every page of ``mapped`` in (``advice``, by default ``MADV_POPULATE_READ``) with the
     interpreter lock released: Python's own `mmap.mmap.madvise` holds it for the whole call, which
-    on a tmpfs with 4 KB pages is 13-18 ms for a 117 MB dump, while the store's codec threads and
+    on a tmpfs with 4 KB pages is 7-28 ms for a 117 MB dump, while the store's codec threads and
     the event loop wait.
 
     Raises:

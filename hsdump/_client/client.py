@@ -489,18 +489,14 @@ class HiddenStateClient:
         """The longest prompt the server accepts, when it says (``limits.max_tokens``)."""
         return self.limits.max_tokens
 
-    def _row_bytes(self) -> int:
-        m = self.manifest
-        assert m is not None
-        return (len(m.layer_ids) + 1) * m.hidden_size * dtype_itemsize(m.dtype)
-
     def _dump_bytes_per_token(self) -> int:
         """What a dump holds a token: its rows, its token id in meta.json and, where the producer
         announces them, its row moments (a float32 sum and sum of squares a layer)."""
         m = self.manifest
         assert m is not None
-        moments = (len(m.layer_ids) + 1) * _MOMENT_BYTES if m.capabilities.row_moments else 0
-        return self._row_bytes() + _META_BYTES_PER_TOKEN + moments
+        layers = len(m.layer_ids) + 1
+        moments = layers * _MOMENT_BYTES if m.capabilities.row_moments else 0
+        return layers * m.hidden_size * dtype_itemsize(m.dtype) + _META_BYTES_PER_TOKEN + moments
 
     def _abandon(self, rid: str) -> None:
         path = request_dir(self.dump_dir, rid)

@@ -23,6 +23,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -364,26 +365,15 @@ def store_alone(
     """The store-alone row of ``workers`` processes: its rate (``tok_per_s``), the cores they
     kept busy, and their user and system core-seconds and minor faults per GB."""
     dest = where / "kimi-store-alone.zarr"
-    shutil.rmtree(dest, ignore_errors=True)
-    ctx = multiprocessing.get_context("spawn")
-    barrier, results = ctx.Barrier(workers), ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=_store_part,
-            args=(source, str(dest), i, workers, barrier, results, moments, unchecked),
-        )
-        for i in range(workers)
-    ]
-    for p in procs:
-        p.start()
+    writers = _start_writers(_store_part, source, dest, workers, moments, unchecked)
     recorder = None
     if spy and out is not None:
         raw = out / f"spy-store-{workers}.txt"
-        cmd = [spy, "record", "--pid", str(procs[0].pid), "--rate", "100",
+        cmd = [spy, "record", "--pid", str(writers.procs[0].pid), "--rate", "100",
                "--format", "raw", "--threads", "--idle", "-o", str(raw)]  # fmt: skip
         cmd += ["--native"] if native else []
         recorder = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    got = [results.get(timeout=600) for _ in procs]
+    row = _finish_writers(writers, dest)
     if recorder is not None and out is not None:
         recorder.wait()
         if raw.exists():
@@ -391,7 +381,33 @@ def store_alone(
             print("\n".join(spy_summary(raw)), flush=True)
             if native:
                 print("\n".join(wait_summary(raw)), flush=True)
+    return row
+
+
+class _Writers(NamedTuple):
+    procs: list
+    results: Any  # the queue of their figures
+    barrier: Any  # held here until they are done: they start the clock on it
+
+
+def _start_writers(target, source: str, dest: Path, workers: int, *extra: object) -> _Writers:
+    """``workers`` spawned processes running ``target(source, dest, index, workers, barrier,
+    results, *extra)`` into a fresh store at ``dest``."""
+    shutil.rmtree(dest, ignore_errors=True)
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(workers), ctx.Queue()
+    procs = [ctx.Process(target=target,
+                         args=(source, str(dest), i, workers, barrier, results, *extra))
+             for i in range(workers)]  # fmt: skip
     for p in procs:
+        p.start()
+    return _Writers(procs, results, barrier)
+
+
+def _finish_writers(writers: _Writers, dest: Path) -> dict[str, float]:
+    """The row of the processes `_start_writers` started, once they are done (`_row_figures`)."""
+    got = [writers.results.get(timeout=600) for _ in writers.procs]
+    for p in writers.procs:
         p.join()
     shutil.rmtree(dest, ignore_errors=True)
     return _row_figures(got)
@@ -570,19 +586,7 @@ def _store_dumps(kept: Path, where: Path, workers: int, mode: str) -> dict[str, 
     """A store-from-dumps row of ``workers`` processes (`_store_dumps_part`), as `store_alone`
     reports its row."""
     dest = where / "kimi-store-dumps.zarr"
-    shutil.rmtree(dest, ignore_errors=True)
-    ctx = multiprocessing.get_context("spawn")
-    barrier, results = ctx.Barrier(workers), ctx.Queue()
-    procs = [ctx.Process(target=_store_dumps_part,
-                         args=(str(kept), str(dest), i, workers, barrier, results, mode))
-             for i in range(workers)]  # fmt: skip
-    for p in procs:
-        p.start()
-    parts = [results.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join()
-    shutil.rmtree(dest, ignore_errors=True)
-    return _row_figures(parts)
+    return _finish_writers(_start_writers(_store_dumps_part, str(kept), dest, workers, mode), dest)
 
 
 def _row_figures(parts: list[tuple]) -> dict[str, float]:
