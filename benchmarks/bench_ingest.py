@@ -21,6 +21,10 @@ event loop) from the interpreter lock: the longest wait of a Python thread while
 mapped unchecked beside it, with the pages faulted in by hsdump (the lock released) and by
 Python's own `mmap.mmap.madvise` (which holds it for the whole call) side by side.
 
+Last, how long the thread that drops the last array on a removed dump is held up (in an extraction
+the event loop or a codec thread): with the dump's pages freed in hsdump's closing thread, and
+freed in that thread itself (the descriptor closed there), side by side.
+
 Run ``python benchmarks/bench_ingest.py`` (``--dumps N --rounds R``; ~10 s on 2 cores).
 """
 
@@ -33,12 +37,14 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
+import hsdump._mapped as mapped
 from hsdump._client import validate
 from hsdump._client.loading import Dump, read_dump
 from hsdump._protocol import DumpMeta, ProducerInfo, write_dump
@@ -85,6 +91,37 @@ def python_madvise() -> Iterator[None]:
         yield
     finally:
         validate.populate = populate
+
+
+class _Inline:
+    """The baseline closing thread: runs each close in the thread that drops the mapping."""
+
+    def submit(self, fn: Callable[..., object], *args: object) -> Future[object]:
+        done: Future[object] = Future()
+        done.set_result(fn(*args))
+        return done
+
+
+@contextmanager
+def closed_where_dropped() -> Iterator[None]:
+    closing = mapped._closing_thread
+    mapped._closing_thread = _Inline  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        mapped._closing_thread = closing
+
+
+def drop_stall(root: Path) -> float:
+    """How long dropping a removed dump's states takes the dropping thread, in ms."""
+    path = publish(Path(tempfile.mkdtemp(dir=root)), 1)[0]
+    dump = read_dump(path)
+    shutil.rmtree(path)  # as the client removes a dump once it is read
+    start = time.perf_counter()
+    del dump
+    stall = time.perf_counter() - start
+    mapped.released()  # the next round starts with these pages freed
+    return stall * 1e3
 
 
 def longest_wait(paths: list[Path]) -> float:
@@ -151,6 +188,15 @@ def main() -> None:
         print(
             "longest wait of another thread for the interpreter lock while dumps are mapped: "
             + ", ".join(f"{n} {min(v):.1f}-{max(v):.1f} ms" for n, v in waits.items())
+        )
+        stalls: dict[str, list[float]] = {"freed by hsdump's thread": [], "freed there": []}
+        for _ in range(args.rounds):
+            stalls["freed by hsdump's thread"].append(drop_stall(root))
+            with closed_where_dropped():
+                stalls["freed there"].append(drop_stall(root))
+        print(
+            "the thread dropping a removed dump's states is held: "
+            + ", ".join(f"{n} {min(v):.1f}-{max(v):.1f} ms" for n, v in stalls.items())
         )
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -8,7 +8,10 @@ memory once more, never copied between processes. A tensor on no known mapping i
 anonymous memory file first (a copy, but still no pickled bytes).
 
 The descriptor outlives the dump's removal: a removed tmpfs file's pages stay until the last
-descriptor and mapping on them are gone.
+descriptor and mapping on them are gone. Closing that last descriptor frees the pages, which takes
+the kernel 13 ms for a 117 MB dump on a tmpfs with 4 KB pages (2 cores): a mapping's descriptor is
+closed in a thread of this module's own (`released` waits for it), not in whichever thread drops
+the last array on the dump, which is often the event loop or one of the store's codec threads.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import mmap
 import os
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,7 +34,16 @@ from hsdump._protocol import dtype_of_torch, dtype_spec
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MappedFile", "SharedTensor", "attach", "populate", "share"]
+__all__ = [
+    "MappedFile",
+    "SharedTensor",
+    "attach",
+    "file_span",
+    "populate",
+    "populate_rows",
+    "released",
+    "share",
+]
 
 # Linux's madvise advice that faults a mapping's pages in for reading (not in Python 3.11's mmap).
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
@@ -41,6 +55,8 @@ _madvise.restype = ctypes.c_int
 
 _lock = threading.Lock()
 _known: dict[int, weakref.ref[MappedFile]] = {}  # start address -> mapping
+_closer: tuple[int, ThreadPoolExecutor] | None = None  # (the process it runs in, its thread)
+_close = os.close
 
 
 class MappedFile(mmap.mmap):
@@ -89,10 +105,58 @@ def populate(mapped: mmap.mmap, advice: int = MADV_POPULATE_READ) -> None:
         raise OSError(code, os.strerror(code))
 
 
+def populate_rows(bits: np.ndarray, rows: Iterable[int]) -> None:
+    """Fault in the pages under ``rows`` of ``bits`` where it lies on a `MappedFile` (a mapping
+    left unpopulated), which also proves the file still covers them: touching a page past a file
+    cut short would raise SIGBUS.
+
+    Raises:
+        OSError: ``EFAULT`` where the file no longer covers a row.
+    """
+    found = _mapping_of(bits)
+    if found is None:
+        return
+    base = bits.__array_interface__["data"][0]
+    page = mmap.PAGESIZE
+    for row in rows:
+        start = base + int(row) * bits.strides[0]
+        first = start - start % page
+        end = start + (bits[row].nbytes if bits.ndim > 1 else bits.itemsize)
+        if _madvise(first, end - first, MADV_POPULATE_READ) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
+
+
+def file_span(bits: np.ndarray) -> tuple[int, int] | None:
+    """The descriptor of the file under ``bits`` where it lies on a `MappedFile`, and the offset
+    of its first byte in that file; None for any other array. The descriptor is the mapping's
+    own: it stays open while the mapping lives, which ``bits`` keeps alive."""
+    found = _mapping_of(bits)
+    if found is None:
+        return None
+    return found.fd, bits.__array_interface__["data"][0] - found.address
+
+
 def _forget(address: int, fd: int) -> None:
     with _lock:
         _known.pop(address, None)
-    os.close(fd)
+    try:
+        _closing_thread().submit(_close, fd)
+    except RuntimeError:  # the interpreter is shutting down: its threads take no more work
+        _close(fd)
+
+
+def _closing_thread() -> ThreadPoolExecutor:
+    global _closer
+    with _lock:
+        if _closer is None or _closer[0] != os.getpid():  # none yet, or a fork's parent's
+            _closer = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="hsdump-release"))
+        return _closer[1]
+
+
+def released() -> None:
+    """Wait until the descriptors of every mapping dropped so far are closed (their pages freed)."""
+    _closing_thread().submit(lambda: None).result()
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,10 @@ class Settings(BaseSettings):
         value_checks: Where an extraction run checks the values of each dump (finite, no vector
             all zeros): ``store``, in the store's placement, which reads every byte anyway
             (where the store and the client support it); ``ingest``, as each dump is read.
+        dump_reads: How the store's placement reads the rows of a dump whose values it checks:
+            ``file``, with the kernel's scattered read from the dump file straight into the
+            shard, the dump's mapping never faulted in; ``mapping``, through the mapping, every
+            page faulted in as the dump is read.
     """
 
     model_config = SettingsConfigDict(
@@ -71,6 +75,9 @@ class Settings(BaseSettings):
     )
     value_checks: Literal["store", "ingest"] = Field(
         default="store", description="one of store, ingest"
+    )
+    dump_reads: Literal["file", "mapping"] = Field(
+        default="file", description="one of file, mapping"
     )
 
 

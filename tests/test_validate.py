@@ -4,9 +4,11 @@ do not hold what the metadata says are refused."""
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import os
 import re
 import tempfile
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import hsdump._mapped as mapped
 from hsdump import (
     DegenerateValues,
     DtypeMismatch,
@@ -111,6 +114,59 @@ def test_a_file_is_mapped_not_copied_and_outlives_its_removal(tmp_path: Path) ->
     del read
     gc.collect()
     assert not _mapped(file)  # unmapped with the last array on it: no mapping leaks
+
+
+def _held(file: Path) -> bool:
+    """Whether a descriptor of this process still holds ``file`` (also once it is removed)."""
+    links = (os.readlink(fd) for fd in Path("/proc/self/fd").iterdir() if fd.is_symlink())
+    return any(link.startswith(str(file)) for link in links)
+
+
+def _drop_a_removed_dump(tmp_path: Path) -> Path:
+    file, bits = _ones_file(tmp_path)
+    read = read_checked(file, bits.shape, "bfloat16", "aux", rid="hsdump-r")
+    file.unlink()
+    del read
+    gc.collect()
+    return file
+
+
+def test_the_pages_of_a_dropped_dump_are_freed_in_a_thread_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    closed_in: list[str] = []
+
+    def close(fd: int) -> None:
+        closed_in.append(threading.current_thread().name)
+        os.close(fd)
+
+    monkeypatch.setattr(mapped, "_close", close)
+    file = _drop_a_removed_dump(tmp_path)
+    mapped.released()
+    assert closed_in and threading.current_thread().name not in closed_in
+    assert not _held(file)  # its last descriptor closed: the kernel has freed its pages
+
+
+def _drop_in_a_fork(tmp: str, done: multiprocessing.SimpleQueue) -> None:
+    file = _drop_a_removed_dump(Path(tmp))
+    mapped.released()
+    done.put(_held(file))
+
+
+def test_a_forked_process_frees_the_pages_it_drops(tmp_path: Path) -> None:
+    ours, theirs = tmp_path / "parent", tmp_path / "child"
+    ours.mkdir()
+    theirs.mkdir()
+    _drop_a_removed_dump(ours)
+    mapped.released()  # this process's closing thread runs: the fork inherits it, not its thread
+    context = multiprocessing.get_context("fork")
+    done = context.SimpleQueue()
+    child = context.Process(target=_drop_in_a_fork, args=(str(theirs), done))
+    child.start()
+    child.join(timeout=20)
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == 0 and done.get() is False
 
 
 def test_writing_to_a_mapped_array_leaves_the_file_as_it_was(tmp_path: Path) -> None:

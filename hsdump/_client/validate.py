@@ -268,6 +268,7 @@ def read_checked(
     rid: str,
     dir_fd: int | None = None,
     check_values: bool = True,
+    lazy: bool = False,
 ) -> np.ndarray:
     """A dump's tensor file as an array, checked block by block while each block is in cache.
 
@@ -277,6 +278,10 @@ def read_checked(
     The file is mapped copy-on-write (`map_private`), not copied: the array uses the dump's own
     pages, which outlive the dump's removal, and writing to it touches only this process's copy.
     Where a file cannot be mapped, it is read into fresh memory instead.
+
+    With ``lazy`` (and without ``check_values``) none of the mapping's pages is faulted in here:
+    the caller reads the file under it (`hsdump._store.sources`) or faults in what it touches
+    (`hsdump._mapped.populate_rows`), since a page past a file cut short raises SIGBUS.
 
     Raises unless the file holds exactly ``shape`` and, with ``check_values``, every value is
     finite and no row (or layer of a row) is all zeros. The values arrive as their raw bits
@@ -296,7 +301,7 @@ def read_checked(
     rows = max(1, _BLOCK_BYTES // (nbytes // shape[0]))
     try:
         with open_dump_file(file, dir_fd=dir_fd, sample_id=sample_id, rid=rid) as fh:
-            mapped = map_private(fh.fileno(), nbytes)
+            mapped = map_private(fh.fileno(), nbytes, populated=check_values or not lazy)
             # An array on the mapping holds it: it is unmapped when the last one on it is freed.
             flat = np.empty(nbytes, np.uint8) if mapped is None else np.frombuffer(mapped, np.uint8)
             out = flat.view(np_dtype).reshape(shape)
@@ -324,19 +329,22 @@ class _Shrank(Exception):
     """A mapped file no longer covers the mapping."""
 
 
-def map_private(fd: int, nbytes: int) -> MappedFile | None:
+def map_private(fd: int, nbytes: int, *, populated: bool = True) -> MappedFile | None:
     """The first ``nbytes`` of ``fd`` mapped copy-on-write, every page present; None where the
     file system or kernel cannot (the caller then reads the file). A store process can map the
     same pages again (`hsdump._mapped.share`).
 
     The pages are faulted in up front (``MADV_POPULATE_READ``), which also proves the file still
     covers the mapping: a file cut short after its size was checked raises `_Shrank` here, instead
-    of a SIGBUS at first touch. Without that call (Linux before 5.14) nothing is mapped.
+    of a SIGBUS at first touch. Without that call (Linux before 5.14) nothing is mapped. With
+    ``populated`` False no page is faulted in: the caller reads the file, not the mapping.
     """
     try:
         mapped = MappedFile.of(fd, nbytes)
     except (OSError, ValueError):
         return None
+    if not populated:
+        return mapped
     try:
         populate(mapped, _MADV_POPULATE_READ)
     except OSError as exc:

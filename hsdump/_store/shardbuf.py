@@ -19,6 +19,7 @@ import numpy as np
 from hsdump._exceptions import DumpValidationError
 from hsdump._protocol import value_error
 from hsdump._store.integrity import crc32
+from hsdump._store.sources import RowSource, row_source
 from hsdump._store.stats import BLOCK_ROWS, LayerStats, RowStats
 
 __all__ = ["Piece", "Placed", "ShardBuffer", "ValueCheck", "place_sample"]
@@ -95,6 +96,15 @@ class ValueCheck:
             peaks[:, :k], spec, name="aux_hidden_states", sample_id=sample_id, rid=rid
         ) or value_error(peaks[:, k], spec, name="final_hidden_state", sample_id=sample_id, rid=rid)
 
+    def unreadable(self, exc: OSError) -> DumpValidationError:
+        """Why a dump whose file could not be read to the end is refused."""
+        return DumpValidationError(
+            f"the dump's files could not be read to the end: {exc} (did something cut them short "
+            "after they were checked?); the sample is not stored, and a rerun extracts it again",
+            sample_id=self.sample_id,
+            rid=self.rid,
+        )
+
 
 def place_sample(
     pieces: list[Piece],
@@ -114,17 +124,14 @@ def place_sample(
     are refused: the rows are zeroed (no bytes of the sample stay in the shard) and
     ``Placed.refused`` says why.
     """
-    k, crc = aux.shape[1], 0
-    for p in pieces:
-        for lo in range(0, p.take, BLOCK_ROWS):
-            n = min(BLOCK_ROWS, p.take - lo)
-            rows = p.shard.rows[p.row + lo : p.row + lo + n]
-            src = slice(p.pos + lo, p.pos + lo + n)
-            rows[:, :k] = aux[src]
-            rows[:, k] = final[src]
-            crc = crc32(rows.data, crc)
-            stats.add(rows)
-    refused = None if check is None else check.error(stats)
+    try:
+        crc = _copy_rows(pieces, row_source(aux), row_source(final), aux.shape[1], stats)
+    except OSError as exc:  # a dump file cut short under the store (`hsdump._store.sources`)
+        if check is None:
+            raise DumpValidationError(f"a dump file could not be read: {exc}") from exc
+        crc, refused = 0, check.unreadable(exc)
+    else:
+        refused = None if check is None else check.error(stats)
     if refused is not None:
         for p in pieces:
             p.shard.rows[p.row : p.row + p.take] = 0
@@ -133,3 +140,19 @@ def place_sample(
     if mask is not None:
         crc = crc32(mask.data, crc)
     return Placed(crc, stats.result())
+
+
+def _copy_rows(
+    pieces: list[Piece], aux: RowSource, final: RowSource, k: int, stats: RowStats
+) -> int:
+    """Copy each block of rows in, then checksum and account it while it is in cache."""
+    crc = 0
+    for p in pieces:
+        for lo in range(0, p.take, BLOCK_ROWS):
+            n = min(BLOCK_ROWS, p.take - lo)
+            rows = p.shard.rows[p.row + lo : p.row + lo + n]
+            aux.copy(p.pos + lo, rows[:, :k])
+            final.copy(p.pos + lo, rows[:, k])
+            crc = crc32(rows.data, crc)
+            stats.add(rows)
+    return crc

@@ -102,6 +102,7 @@ def extract(
         "--workers", str(args.workers),
     ]  # fmt: skip
     t0, host0, server0 = time.perf_counter(), host_cpu_s(), server_cpu_s()
+    vm0 = vmstat()
     env = {**os.environ, "COLUMNS": "250", **extra_env}
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
@@ -119,6 +120,7 @@ def extract(
         proc.wait(timeout=400)
     text = "".join(lines)
     wall = time.perf_counter() - t0
+    vm = {k: v - vm0.get(k, 0) for k, v in vmstat().items()}
     host_busy = (host_cpu_s() - host0) / wall
     server_busy = (server_cpu_s() - server0) / wall
     seconds = re.search(r"([\d.]+) s, [\d,]+ tokens/s", text)
@@ -136,8 +138,23 @@ def extract(
         "host_cores_busy": round(host_busy, 1),
         "server_cores_busy": round(server_busy, 1),
         **window,
+        "vmstat": vm,
         "store": str(work / "store.zarr"),
     }
+
+
+VMSTAT = ("pgfault", "numa_hint_faults", "numa_pages_migrated", "thp_fault_fallback",
+          "compact_stall", "pgmigrate_success", "thp_fault_alloc")  # fmt: skip
+
+
+def vmstat() -> dict[str, int]:
+    """The host's counters of faults, NUMA hinting and huge-page fallbacks (/proc/vmstat)."""
+    found = {}
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        name, _, value = line.partition(" ")
+        if name in VMSTAT:
+            found[name] = int(value)
+    return found
 
 
 class CpuTrace:
@@ -706,6 +723,10 @@ def main() -> None:
     if disk:
         log(args.out, row="ceiling", what="disk write GB/s", value=round(disk, 3))
     log(args.out, row="server idle", cores_busy=round(idle_server_cores(), 2))
+    log(args.out, row="host", numa_nodes=len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))),
+        numa_balancing=Path("/proc/sys/kernel/numa_balancing").read_text().strip()
+        if Path("/proc/sys/kernel/numa_balancing").exists() else None,
+        thp=Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip())  # fmt: skip
     for conc in concs:
         spy = record_server(args, f"server-{conc}") if args.spy else None
         cpu = server_cpu_s()
