@@ -110,7 +110,12 @@ def read_dump(
             path / AUX_FILE, meta.aux_shape, meta.dtype, "aux_hidden_states", lazy=lazy, **context
         )
         final = read_checked(
-            path / FINAL_FILE, meta.final_shape, meta.dtype, "final_hidden_state", lazy=lazy, **context
+            path / FINAL_FILE,
+            meta.final_shape,
+            meta.dtype,
+            "final_hidden_state",
+            lazy=lazy,
+            **context,
         )
         declared = _read_moments(path, meta, aux, final, context) if moments else None
     return Dump(path=path, meta=meta, aux=aux, final=final, moments=declared)

@@ -147,6 +147,16 @@ VMSTAT = ("pgfault", "numa_hint_faults", "numa_pages_migrated", "thp_fault_fallb
           "compact_stall", "pgmigrate_success", "thp_fault_alloc")  # fmt: skip
 
 
+def host_memory() -> dict[str, object]:
+    """The host's NUMA nodes, whether the kernel balances pages between them, and its THP mode."""
+    balancing = Path("/proc/sys/kernel/numa_balancing")
+    return {
+        "numa_nodes": len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))),
+        "numa_balancing": balancing.read_text().strip() if balancing.exists() else None,
+        "thp": Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip(),
+    }
+
+
 def vmstat() -> dict[str, int]:
     """The host's counters of faults, NUMA hinting and huge-page fallbacks (/proc/vmstat)."""
     found = {}
@@ -723,10 +733,7 @@ def main() -> None:
     if disk:
         log(args.out, row="ceiling", what="disk write GB/s", value=round(disk, 3))
     log(args.out, row="server idle", cores_busy=round(idle_server_cores(), 2))
-    log(args.out, row="host", numa_nodes=len(list(Path("/sys/devices/system/node").glob("node[0-9]*"))),
-        numa_balancing=Path("/proc/sys/kernel/numa_balancing").read_text().strip()
-        if Path("/proc/sys/kernel/numa_balancing").exists() else None,
-        thp=Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip())  # fmt: skip
+    log(args.out, row="host", **host_memory())
     for conc in concs:
         spy = record_server(args, f"server-{conc}") if args.spy else None
         cpu = server_cpu_s()
