@@ -119,8 +119,9 @@ def place_sample(
 
     One pass in blocks of `BLOCK_ROWS` rows: each block is copied (from the dump file under a
     mapped dump: `hsdump._store.sources`), then checksummed and accounted in ``stats`` while it
-    is in cache (three passes over memory were the store's largest cost after the codec). The checksum is zlib's CRC-32 of the stored
-    rows in order, then the token ids, then the mask if any. With ``check``, values that fail it
+    is in cache (three passes over memory were the store's largest cost after the codec). The
+    checksum is zlib's CRC-32 of the stored rows in order, then the token ids, then the mask if
+    any. With ``check``, values that fail it
     are refused: the rows are zeroed (no bytes of the sample stay in the shard) and
     ``Placed.refused`` says why; so is a sample whose dump file was cut short under the store.
     """
