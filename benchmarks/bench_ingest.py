@@ -16,6 +16,11 @@ store still holds the sample before. Reading into fresh memory costs most in the
 the allocator and the kernel hand out pages never used before (as for each dump of a worker that
 has freed none of that size yet); later rounds reuse freed memory.
 
+Then what an extraction run's store pays to take each dump: read unchecked and placed into a
+shard buffer with its value check, with the rows read from the dump file
+(``HSDUMP_DUMP_READS=file``, the mapping never faulted in) and through the mapping
+(``mapping``, every page faulted in at ingest), side by side, alternately.
+
 Then how long the mapped path keeps the process's other threads (the store's codec threads, the
 event loop) from the interpreter lock: the longest wait of a Python thread while the dumps are
 mapped unchecked beside it, with the pages faulted in by hsdump (the lock released) and by
@@ -31,6 +36,7 @@ Run ``python benchmarks/bench_ingest.py`` (``--dumps N --rounds R``; ~10 s on 2 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -48,6 +54,8 @@ import hsdump._mapped as mapped
 from hsdump._client import validate
 from hsdump._client.loading import Dump, read_dump
 from hsdump._protocol import DumpMeta, ProducerInfo, write_dump
+from hsdump._store.shardbuf import Piece, ShardBuffer, ValueCheck, place_sample
+from hsdump._store.stats import RowStats
 
 T, K, H = 2048, 3, 7168
 LAYERS = [2, 4, 5]
@@ -69,6 +77,38 @@ def publish(root: Path, count: int) -> list[Path]:
         )  # fmt: skip
         paths.append(write_dump(root, meta, aux, final))
     return paths
+
+
+@contextmanager
+def dump_reads(how: str) -> Iterator[None]:
+    """``HSDUMP_DUMP_READS`` set to ``how`` for the block."""
+    before = os.environ.get("HSDUMP_DUMP_READS")
+    os.environ["HSDUMP_DUMP_READS"] = how
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["HSDUMP_DUMP_READS"]
+        else:
+            os.environ["HSDUMP_DUMP_READS"] = before
+
+
+def placed_round(paths: list[Path], shard: ShardBuffer) -> tuple[float, float]:
+    """Thread CPU seconds per GB and GB/s of reading every dump unchecked, as an extraction run
+    does, and placing it into a shard buffer with its value check, as the store does."""
+    ids = np.arange(T, dtype=np.int32)
+    gb = len(paths) * T * (K + 1) * H * 2 / 1e9
+    cpu, wall = time.thread_time(), time.perf_counter()
+    for path in paths:
+        dump = read_dump(path, check_values=False)
+        stats = RowStats("bfloat16", [*LAYERS, "final"])
+        check = ValueCheck(path.name, None, K)
+        pieces = [Piece(shard, 0, 0, T)]
+        placed = place_sample(pieces, dump.aux, dump.final, ids, None, stats, check)
+        assert placed.refused is None
+        del dump
+    mapped.released()  # the pages freed within the round
+    return (time.thread_time() - cpu) / gb, gb / (time.perf_counter() - wall)
 
 
 @contextmanager
@@ -180,11 +220,25 @@ def main() -> None:
                 f"{name:<7}: first round {first[0]:.2f} core-s per GB ({first[1]:.2f} GB/s on "
                 f"one thread), best {best[0]:.2f} ({best[1]:.2f} GB/s)"
             )
-        waits: dict[str, list[float]] = {"hsdump": [], "mmap.madvise": []}
+        shard = ShardBuffer.allocate(T, K + 1, H, np.dtype(np.uint16))
+        placing: dict[str, list[tuple[float, float]]] = {"file": [], "mapping": []}
         for _ in range(args.rounds):
-            waits["hsdump"].append(longest_wait(paths))
-            with python_madvise():
-                waits["mmap.madvise"].append(longest_wait(paths))
+            for how, runs in placing.items():
+                with dump_reads(how):
+                    runs.append(placed_round(paths, shard))
+        for how, runs in placing.items():
+            best = min(runs)
+            print(
+                f"read unchecked and placed, HSDUMP_DUMP_READS={how:<7}: best {best[0]:.2f} "
+                f"core-s per GB ({best[1]:.2f} GB/s on one thread), rounds "
+                + ", ".join(f"{r[0]:.2f}" for r in runs)
+            )
+        waits: dict[str, list[float]] = {"hsdump": [], "mmap.madvise": []}
+        with dump_reads("mapping"):  # the pages are faulted in at ingest only on this path
+            for _ in range(args.rounds):
+                waits["hsdump"].append(longest_wait(paths))
+                with python_madvise():
+                    waits["mmap.madvise"].append(longest_wait(paths))
         print(
             "longest wait of another thread for the interpreter lock while dumps are mapped: "
             + ", ".join(f"{n} {min(v):.1f}-{max(v):.1f} ms" for n, v in waits.items())
