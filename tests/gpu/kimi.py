@@ -550,7 +550,7 @@ async def keep_dumps(url: str, rows: list[dict], conc: int, root: str, kept: Pat
 
 
 def _store_dumps_part(
-    kept: str, dest: str, index: int, workers: int, barrier, results, mode: str
+    kept: str, dest: str, index: int, workers: int, barrier, results, mode: str, reads: str
 ) -> None:
     """One writer of a store-from-dumps row: read its share of the kept dumps as a worker does
     (mapped, moments spot-checked, values left to the store's placement) and store them, timed.
@@ -558,11 +558,14 @@ def _store_dumps_part(
     ``mode`` "mapped" reads every dump before the clock starts (the row times placing fresh dump
     pages); "inline" reads each dump just before its write, in the writing thread; "ahead" reads
     the next dump in a thread while the current one is written, as a worker's tasks overlap.
+    ``reads`` is ``HSDUMP_DUMP_READS``: the rows read from the dump files, or through mappings
+    faulted in as each dump is read.
     """
     import resource
     from concurrent.futures import ThreadPoolExecutor
 
     os.environ["HSDUMP_CORES"] = str(max(1, (os.cpu_count() or 1) // workers))
+    os.environ["HSDUMP_DUMP_READS"] = reads
     from hsdump import HiddenStates, open_store
     from hsdump._client.loading import read_dump, to_torch
     from hsdump._cores import switch_interval
@@ -609,11 +612,12 @@ def _store_dumps_part(
                  r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt))  # fmt: skip
 
 
-def _store_dumps(kept: Path, where: Path, workers: int, mode: str) -> dict[str, float]:
+def _store_dumps(kept: Path, where: Path, workers: int, mode: str, reads: str) -> dict[str, float]:
     """A store-from-dumps row of ``workers`` processes (`_store_dumps_part`), as `store_alone`
     reports its row."""
     dest = where / "kimi-store-dumps.zarr"
-    return _finish_writers(_start_writers(_store_dumps_part, str(kept), dest, workers, mode), dest)
+    writers = _start_writers(_store_dumps_part, str(kept), dest, workers, mode, reads)
+    return _finish_writers(writers, dest)
 
 
 def _row_figures(parts: list[tuple]) -> dict[str, float]:
@@ -630,14 +634,19 @@ def _row_figures(parts: list[tuple]) -> dict[str, float]:
 
 
 def store_from_dumps(args: argparse.Namespace, rows: list[dict], shm: Path) -> None:
-    """In memory, side by side, the store alone fed five ways: loaded states with their moments
-    (values checked, and left to the placement's check as in dumps), and the server's dump files
-    read as a worker reads them (all before the clock, each just before its write, and the next
-    while the current is written). Their gaps are what the value check, placing fresh dump pages
+    """In memory, side by side, `hsdump extract` at 8 in flight with each ``HSDUMP_DUMP_READS``,
+    then the store alone fed six ways: loaded states with their moments (values checked, and left
+    to the placement's check as in dumps), and the server's dump files read as a worker reads them
+    (all before the clock, or the next while the current is written), their rows read from the
+    files or through the mappings. Their gaps are what the value check, placing from dump pages
     and reading dumps cost; the extraction's gap to the last is the rest of a worker's work (the
     watch, the checks of the metadata, the event loop)."""
-    got = extract(args, rows, shm, 8)
-    log(args.out, row="extract", on="shm", conc=8, workers=args.workers, **got)
+    for reads in ("mapping", "file"):  # the last row's store feeds the store-alone rows
+        env = {"HSDUMP_DUMP_READS": reads}
+        got = extract(args, rows, shm, 8, env)
+        log(args.out, row="extract", on="shm", conc=8, workers=args.workers, env=env, **got)
+        if reads == "mapping":
+            shutil.rmtree(got["store"], ignore_errors=True)
     source = got["store"]
     kept = Path(args.dump_dir).parent / "kimi-kept"
     shutil.rmtree(kept, ignore_errors=True)
@@ -647,7 +656,9 @@ def store_from_dumps(args: argparse.Namespace, rows: list[dict], shm: Path) -> N
         loaded = store_alone(source, shm, args.workers, moments=True)
         unchecked = store_alone(source, shm, args.workers, moments=True, unchecked=True)
         rows_of = {
-            m: _store_dumps(kept, shm, args.workers, m) for m in ("mapped", "inline", "ahead")
+            f"{m}, reads {r}": _store_dumps(kept, shm, args.workers, m, r)
+            for m in ("mapped", "ahead")
+            for r in ("file", "mapping")
         }
         for name, row in [("loaded", loaded), ("loaded unchecked", unchecked)] + [
             (f"dumps {m}", r) for m, r in rows_of.items()
