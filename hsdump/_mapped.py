@@ -23,8 +23,8 @@ import os
 import threading
 import weakref
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from queue import SimpleQueue
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -55,7 +55,8 @@ _madvise.restype = ctypes.c_int
 
 _lock = threading.Lock()
 _known: dict[int, weakref.ref[MappedFile]] = {}  # start address -> mapping
-_closer: tuple[int, ThreadPoolExecutor] | None = None  # (the process it runs in, its thread)
+# The process the closing thread runs in, and the queue it takes descriptors from.
+_closer: tuple[int, SimpleQueue[tuple[int, int] | threading.Event]] | None = None
 _close = os.close
 
 
@@ -72,6 +73,7 @@ class MappedFile(mmap.mmap):
         Raises:
             OSError, ValueError: The file cannot be mapped.
         """
+        _start_closer()  # here, not in the finalizer: starting a thread takes locks
         mapped = cls(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         mapped.address = _address_of(mapped)
         mapped.fd = os.dup(fd)
@@ -138,25 +140,51 @@ def file_span(bits: np.ndarray) -> tuple[int, int] | None:
 
 
 def _forget(address: int, fd: int) -> None:
-    with _lock:
-        _known.pop(address, None)
-    try:
-        _closing_thread().submit(_close, fd)
-    except RuntimeError:  # the interpreter is shutting down: its threads take no more work
+    """A mapping's finalizer. The garbage collector runs it in whichever thread allocates, also
+    while that thread holds a lock (`ThreadPoolExecutor.submit` holds one module-wide), so it
+    takes none: it hands the descriptor to the closing thread through a queue whose ``put`` is
+    safe there, or closes it here in a process that has no closing thread (a fork's child)."""
+    closer = _closer
+    if closer is None or closer[0] != os.getpid():
         _close(fd)
+        return
+    closer[1].put((address, fd))
 
 
-def _closing_thread() -> ThreadPoolExecutor:
+def _start_closer() -> None:
+    """Start this process's closing thread unless it runs (a fork's child starts its own)."""
     global _closer
     with _lock:
-        if _closer is None or _closer[0] != os.getpid():  # none yet, or a fork's parent's
-            _closer = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="hsdump-release"))
-        return _closer[1]
+        if _closer is not None and _closer[0] == os.getpid():
+            return
+        queue: SimpleQueue[tuple[int, int] | threading.Event] = SimpleQueue()
+        threading.Thread(
+            target=_close_released, args=(queue,), name="hsdump-release", daemon=True
+        ).start()
+        _closer = (os.getpid(), queue)
+
+
+def _close_released(queue: SimpleQueue[tuple[int, int] | threading.Event]) -> None:
+    while True:
+        item = queue.get()
+        if isinstance(item, threading.Event):
+            item.set()
+            continue
+        address, fd = item
+        with _lock:  # unless a new mapping took the address since
+            ref = _known.get(address)
+            if ref is not None and ref() is None:
+                del _known[address]
+        _close(fd)
 
 
 def released() -> None:
     """Wait until the descriptors of every mapping dropped so far are closed (their pages freed)."""
-    _closing_thread().submit(lambda: None).result()
+    _start_closer()
+    assert _closer is not None
+    done = threading.Event()
+    _closer[1].put(done)
+    done.wait()
 
 
 @dataclass(frozen=True)

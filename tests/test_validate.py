@@ -147,6 +147,30 @@ def test_the_pages_of_a_dropped_dump_are_freed_in_a_thread_of_their_own(
     assert not _held(file)  # its last descriptor closed: the kernel has freed its pages
 
 
+def test_a_mapping_dropped_while_its_thread_holds_a_pool_lock_does_not_deadlock(
+    tmp_path: Path,
+) -> None:
+    """The garbage collector runs a mapping's finalizer in whichever thread allocates, also inside
+    `ThreadPoolExecutor.submit`, which holds concurrent.futures' module-wide lock: the finalizer
+    must take no lock that such a thread may hold (it once submitted to a pool of its own)."""
+    import concurrent.futures.thread as pools
+
+    file, bits = _ones_file(tmp_path)
+    read = [read_checked(file, bits.shape, "bfloat16", "aux", rid="hsdump-r")]
+    dropped = threading.Event()
+
+    def drop_holding_the_lock() -> None:
+        with pools._global_shutdown_lock:  # as inside submit
+            read.clear()  # the last array on the mapping: its finalizer runs here
+        dropped.set()
+
+    thread = threading.Thread(target=drop_holding_the_lock, daemon=True)
+    thread.start()
+    assert dropped.wait(timeout=20)
+    mapped.released()
+    assert not _held(file)
+
+
 def _drop_in_a_fork(tmp: str, done: multiprocessing.SimpleQueue) -> None:
     file = _drop_a_removed_dump(Path(tmp))
     mapped.released()
