@@ -44,8 +44,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -134,23 +133,17 @@ def python_madvise() -> Iterator[None]:
         validate.populate = populate
 
 
-class _Inline:
-    """The baseline closing thread: runs each close in the thread that drops the mapping."""
-
-    def submit(self, fn: Callable[..., object], *args: object) -> Future[object]:
-        done: Future[object] = Future()
-        done.set_result(fn(*args))
-        return done
-
-
 @contextmanager
 def closed_where_dropped() -> Iterator[None]:
-    closing = mapped._closing_thread
-    mapped._closing_thread = _Inline  # type: ignore[assignment]
+    """The baseline: each descriptor closed in the thread that drops its mapping, as a process
+    with no closing thread does."""
+    mapped.released()
+    start, closer = mapped._start_closer, mapped._closer
+    mapped._start_closer, mapped._closer = lambda: None, None  # type: ignore[assignment]
     try:
         yield
     finally:
-        mapped._closing_thread = closing
+        mapped._start_closer, mapped._closer = start, closer  # type: ignore[assignment]
 
 
 def drop_stall(root: Path, *, unchecked: bool = False) -> float:

@@ -180,10 +180,11 @@ def _close_released(queue: SimpleQueue[tuple[int, int] | threading.Event]) -> No
 
 def released() -> None:
     """Wait until the descriptors of every mapping dropped so far are closed (their pages freed)."""
-    _start_closer()
-    assert _closer is not None
+    closer = _closer
+    if closer is None or closer[0] != os.getpid():
+        return  # no closing thread here: each descriptor was closed where its mapping dropped
     done = threading.Event()
-    _closer[1].put(done)
+    closer[1].put(done)
     done.wait()
 
 
