@@ -47,9 +47,10 @@ class Settings(BaseSettings):
             all zeros): ``store``, in the store's placement, which reads every byte anyway
             (where the store and the client support it); ``ingest``, as each dump is read.
         dump_reads: How the store's placement reads the rows of a dump whose values it checks:
+            ``mapping``, through the dump's mapping, every page faulted in as the dump is read;
             ``file``, with the kernel's scattered read from the dump file straight into the
-            shard, the dump's mapping never faulted in; ``mapping``, through the mapping, every
-            page faulted in as the dump is read.
+            shard, the mapping never faulted in (no page of the dump mapped into the process,
+            and a file cut short under the store refuses its sample instead of raising SIGBUS).
     """
 
     model_config = SettingsConfigDict(
@@ -77,7 +78,7 @@ class Settings(BaseSettings):
         default="store", description="one of store, ingest"
     )
     dump_reads: Literal["file", "mapping"] = Field(
-        default="file", description="one of file, mapping"
+        default="mapping", description="one of mapping, file"
     )
 
 

@@ -1,6 +1,6 @@
-"""The store reads a dump's rows from the dump file itself (``HSDUMP_DUMP_READS=file``): no page
-of the dump is mapped into the reading process, the stored bytes are the dump's, and a file cut
-short under the store refuses its sample instead of crashing the process."""
+"""With ``HSDUMP_DUMP_READS=file`` the store reads a dump's rows from the dump file itself: no
+page of the dump is mapped into the reading process, the stored bytes are the dump's, and a file
+cut short under the store refuses its sample instead of crashing the process."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ from hsdump._client.loading import read_dump, to_torch
 from hsdump._mapped import populate_rows
 from hsdump._protocol import AUX_FILE, DumpMeta, ProducerInfo, write_dump
 from hsdump._store.sources import IOV_MAX, row_source
+
+
+@pytest.fixture(autouse=True)
+def _file_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HSDUMP_DUMP_READS", "file")
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:

@@ -82,7 +82,7 @@ def read_dump(
         check: Called with the metadata before any tensor is read; raises to refuse the dump.
         check_values: Check the values (finite, no vector all zeros) as they are read; False
             leaves that to the caller (a store's placement, `HiddenStates.values_checked`), and
-            with ``HSDUMP_DUMP_READS=file`` (the default) leaves the tensor files' mappings
+            with ``HSDUMP_DUMP_READS=file`` leaves the tensor files' mappings
             unpopulated: the store reads the files themselves (`hsdump._store.sources`).
         moments: Read ``moments.bin`` too (the producer announced ``row_moments``) and check it
             against the values of a few rows (`hsdump._protocol.spot_rows`).
