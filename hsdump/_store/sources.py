@@ -1,10 +1,15 @@
 """Where placement reads a sample's rows from: the array itself, or the dump file beneath it.
 
-A dump that ingest mapped (`hsdump._mapped.MappedFile`) is read by placement with the kernel's
-scattered read (``preadv``) from the mapping's own descriptor straight into the shard's rows, not
-through the mapping: no page of the dump is mapped into this process for it, so none is faulted
-in, walked or torn down, and the copy runs with the interpreter lock released. Every other array
-(loaded states, a sample read back from a store, a strided view) is copied by numpy as before.
+With ``HSDUMP_DUMP_READS=file``, a dump that ingest mapped (`hsdump._mapped.MappedFile`) is read
+by placement with the kernel's scattered read (``preadv``) from the mapping's own descriptor
+straight into the shard's rows, not through the mapping: no page of the dump is mapped into this
+process for it, so none is faulted in, walked or torn down, and the copy runs with the
+interpreter lock released. Every other array (loaded states, a sample read back from a store, a
+strided view), and every array under the default ``mapping``, is copied by numpy.
+
+On a tmpfs with 4 KB pages the kernel's read costs more per byte than numpy's copy through a
+mapping already faulted in (a page-cache lookup per page): it pays only where the mapping itself
+costs the process more (see docs/performance.md).
 
 The read is libc's ``preadv`` through ctypes with the scatter list built by numpy: Python's
 `os.preadv` wants a memoryview per row, thousands of Python objects per dump made with the lock
