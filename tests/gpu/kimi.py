@@ -686,8 +686,12 @@ def sweep(args: argparse.Namespace, rows: list[dict], shm: Path, concs, results)
                 shutil.rmtree(got["store"], ignore_errors=True)
                 log(
                     args.out, row="extract sweep", conc=conc, workers=workers, env=env, **got,
-                    of_dump_only=round(got["tok_per_s"] / results[f"dump-{conc}"], 3),
+                    of_dump_only=_share(got["tok_per_s"], results.get(f"dump-{conc}")),
                 )  # fmt: skip
+
+
+def _share(rate: float, of: float | None) -> float | None:
+    return round(rate / of, 3) if of else None
 
 
 def main() -> None:
@@ -713,6 +717,8 @@ def main() -> None:
         help="with --spy-extract, record native frames and idle threads: who waits for the GIL",
     )  # fmt: skip
     p.add_argument("--sweep-env", default="", help='e.g. ";HSDUMP_CORES=32": a row per setting')
+    p.add_argument("--sweep-first", action="store_true",
+                   help="the --sweep-workers rows first, before the stage's own rows")  # fmt: skip
     p.add_argument("--only-dump", action="store_true", help="server-alone and dump-only rows only")
     p.add_argument("--store-diag", action="store_true",
                    help="after the dump-only rows: store alone in memory on the run's and on "
@@ -745,6 +751,9 @@ def main() -> None:
         log(args.out, row="ceiling", what="disk write GB/s", value=round(disk, 3))
     log(args.out, row="server idle", cores_busy=round(idle_server_cores(), 2))
     log(args.out, row="host", **host_memory())
+    if args.sweep_first and args.sweep_workers:  # the A/B rows before anything else
+        sweep(args, rows, shm, [int(c) for c in args.sweep_concs.split(",")], results)
+        args.sweep_workers = ""
     for conc in concs:
         spy = record_server(args, f"server-{conc}") if args.spy else None
         cpu = server_cpu_s()
