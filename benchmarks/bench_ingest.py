@@ -37,6 +37,7 @@ Run ``python benchmarks/bench_ingest.py`` (``--dumps N --rounds R``; ~10 s on 2 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -47,6 +48,7 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 
@@ -79,18 +81,9 @@ def publish(root: Path, count: int) -> list[Path]:
     return paths
 
 
-@contextmanager
-def dump_reads(how: str) -> Iterator[None]:
+def dump_reads(how: str) -> contextlib.AbstractContextManager[object]:
     """``HSDUMP_DUMP_READS`` set to ``how`` for the block."""
-    before = os.environ.get("HSDUMP_DUMP_READS")
-    os.environ["HSDUMP_DUMP_READS"] = how
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["HSDUMP_DUMP_READS"]
-        else:
-            os.environ["HSDUMP_DUMP_READS"] = before
+    return mock.patch.dict(os.environ, {"HSDUMP_DUMP_READS": how})
 
 
 def placed_round(paths: list[Path], shard: ShardBuffer) -> tuple[float, float]:
@@ -238,17 +231,18 @@ def main() -> None:
             "longest wait of another thread for the interpreter lock while dumps are mapped: "
             + ", ".join(f"{n} {min(v):.1f}-{max(v):.1f} ms" for n, v in waits.items())
         )
+        unchecked = "read unchecked (rows left to the file), freed by hsdump's thread"
         stalls: dict[str, list[float]] = {
             "freed by hsdump's thread": [],
             "freed there": [],
-            "read unchecked (rows left to the file), freed by hsdump's thread": [],
+            unchecked: [],
         }
         for _ in range(args.rounds):
             stalls["freed by hsdump's thread"].append(drop_stall(root))
             with closed_where_dropped():
                 stalls["freed there"].append(drop_stall(root))
             with dump_reads("file"):
-                stalls[list(stalls)[2]].append(drop_stall(root, unchecked=True))
+                stalls[unchecked].append(drop_stall(root, unchecked=True))
         print(
             "the thread dropping a removed dump's states is held: "
             + ", ".join(f"{n} {min(v):.1f}-{max(v):.1f} ms" for n, v in stalls.items())

@@ -102,7 +102,12 @@ def populate(mapped: mmap.mmap, advice: int = MADV_POPULATE_READ) -> None:
             ``EINVAL`` where it lacks the advice (Linux before 5.14).
     """
     address = mapped.address if isinstance(mapped, MappedFile) else _address_of(mapped)
-    if _madvise(address, len(mapped), advice) != 0:
+    _advise(address, len(mapped), advice)
+
+
+def _advise(address: int, length: int, advice: int) -> None:
+    """libc's madvise, which ctypes calls with the interpreter lock released; raises its errno."""
+    if _madvise(address, length, advice) != 0:
         code = ctypes.get_errno()
         raise OSError(code, os.strerror(code))
 
@@ -124,9 +129,7 @@ def populate_rows(bits: np.ndarray, rows: Iterable[int]) -> None:
         start = base + int(row) * bits.strides[0]
         first = start - start % page
         end = start + (bits[row].nbytes if bits.ndim > 1 else bits.itemsize)
-        if _madvise(first, end - first, MADV_POPULATE_READ) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, os.strerror(code))
+        _advise(first, end - first, MADV_POPULATE_READ)
 
 
 def file_span(bits: np.ndarray) -> tuple[int, int] | None:

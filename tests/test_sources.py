@@ -137,8 +137,8 @@ def test_a_read_of_more_rows_than_one_call_takes_is_split(tmp_path: Path) -> Non
     )
     dump = read_dump(_publish(tmp_path, sample), check_values=False)
     dest = np.zeros((rows, len(LAYERS) + 1, HIDDEN), np.uint16)
-    row_source(dump.aux).copy(0, dest[:, : len(LAYERS)])
-    row_source(dump.final).copy(0, dest[:, len(LAYERS)])
+    row_source(dump.aux, from_file=True).copy(0, dest[:, : len(LAYERS)])
+    row_source(dump.final, from_file=True).copy(0, dest[:, len(LAYERS)])
     assert _resident_kb(tmp_path / "req_hsdump-long" / AUX_FILE) == 0  # before the compare reads
     assert np.array_equal(dest[:, : len(LAYERS)], _bits(sample.aux_hidden_states).view(np.uint16))
     assert np.array_equal(dest[:, len(LAYERS)], _bits(sample.final_hidden_state).view(np.uint16))

@@ -117,20 +117,23 @@ def place_sample(
 ) -> Placed:
     """Copy a sample's aux and final rows into its pieces, with its checksum and statistics.
 
-    One pass in blocks of `BLOCK_ROWS` rows: each block is copied (from the dump file under a
-    mapped dump: `hsdump._store.sources`), then checksummed and accounted in ``stats`` while it
-    is in cache (three passes over memory were the store's largest cost after the codec). The
-    checksum is zlib's CRC-32 of the stored rows in order, then the token ids, then the mask if
-    any. With ``check``, values that fail it
+    One pass in blocks of `BLOCK_ROWS` rows: each block is copied (from the dump file under an
+    unchecked sample's mapping: `hsdump._store.sources`), then checksummed and accounted in
+    ``stats`` while it is in cache (three passes over memory were the store's largest cost after
+    the codec). The checksum is zlib's CRC-32 of the stored rows in order, then the token ids,
+    then the mask if any. With ``check``, values that fail it
     are refused: the rows are zeroed (no bytes of the sample stay in the shard) and
     ``Placed.refused`` says why; so is a sample whose dump file was cut short under the store.
     """
+    # Only a sample handed over unchecked may be read from its dump file: ingest left its mapping
+    # unpopulated (`hsdump._store.sources`), and only such a read fails with an OSError.
+    unchecked = check is not None
+    sources = row_source(aux, from_file=unchecked), row_source(final, from_file=unchecked)
     refused: DumpValidationError | None = None
     try:
-        crc = _copy_rows(pieces, row_source(aux), row_source(final), aux.shape[1], stats)
-    except OSError as exc:  # a dump file cut short under the store (`hsdump._store.sources`)
-        if check is None:
-            raise DumpValidationError(f"a dump file could not be read: {exc}") from exc
+        crc = _copy_rows(pieces, *sources, aux.shape[1], stats)
+    except OSError as exc:  # a dump file cut short under the store
+        assert check is not None
         crc, refused = 0, check.unreadable(exc)
     else:
         refused = None if check is None else check.error(stats)

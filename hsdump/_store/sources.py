@@ -1,11 +1,12 @@
 """Where placement reads a sample's rows from: the array itself, or the dump file beneath it.
 
-With ``HSDUMP_DUMP_READS=file``, a dump that ingest mapped (`hsdump._mapped.MappedFile`) is read
-by placement with the kernel's scattered read (``preadv``) from the mapping's own descriptor
-straight into the shard's rows, not through the mapping: no page of the dump is mapped into this
-process for it, so none is faulted in, walked or torn down, and the copy runs with the
-interpreter lock released. Every other array (loaded states, a sample read back from a store, a
-strided view), and every array under the default ``mapping``, is copied by numpy.
+With ``HSDUMP_DUMP_READS=file``, a dump that ingest mapped (`hsdump._mapped.MappedFile`) and handed
+over unchecked (its mapping left unpopulated) is read by placement with the kernel's scattered read
+(``preadv``) from the mapping's own descriptor straight into the shard's rows, not through the
+mapping: no page of the dump is mapped into this process for it, so none is faulted in, walked or
+torn down, and the copy runs with the interpreter lock released. Every other array (loaded states,
+a sample read back from a store, a strided view), and every array under the default ``mapping``, is
+copied by numpy.
 
 On a tmpfs with 4 KB pages the kernel's read costs more per byte than numpy's copy through a
 mapping already faulted in (a page-cache lookup per page): it pays only where the mapping itself
@@ -104,15 +105,14 @@ class _FileSource:
             done += got
 
 
-def row_source(bits: np.ndarray) -> RowSource:
-    """How to read ``bits`` (``[T, ...]``) row by row: from the file under it where it is a
-    C-contiguous array on a dump's mapping (unless ``HSDUMP_DUMP_READS=mapping``), else from the
-    array."""
+def row_source(bits: np.ndarray, *, from_file: bool) -> RowSource:
+    """How to read ``bits`` (``[T, ...]``) row by row: with ``from_file`` and
+    ``HSDUMP_DUMP_READS=file``, from the file under it where it is a C-contiguous array on a
+    dump's mapping; else from the array."""
     from hsdump._settings import settings
 
-    if bits.ndim == 0 or bits.shape[0] == 0 or not bits.flags.c_contiguous:
-        return _ArraySource(bits)
-    if settings().dump_reads != "file":
+    contiguous = bits.ndim > 0 and bits.shape[0] > 0 and bits.flags.c_contiguous
+    if not (from_file and contiguous and settings().dump_reads == "file"):
         return _ArraySource(bits)
     span = file_span(bits)
     if span is None:
