@@ -436,3 +436,39 @@ async def test_any_other_sink_gets_one_write_at_a_time(server):
     summary = await _run(server, store, _samples(3), concurrency=2)
     assert summary.samples_done == 3 and sorted(store.writes) == ["s0", "s1", "s2"]
     assert overlap.most == 1
+
+
+async def test_a_written_sample_is_not_held_while_the_next_one_is_awaited(server):
+    # A dump's states hold its pages (a mapping of a removed file on a tmpfs): once the store
+    # has them, the run itself must not keep them while it waits for the next sample.
+    import gc
+    import weakref
+
+    class Dropping(MemoryStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.refs: list[weakref.ref[HiddenStates]] = []
+
+        async def awrite(self, states: HiddenStates) -> None:
+            self.refs.append(weakref.ref(states))
+            self.writes.append(states.sample_id)
+
+    store = Dropping()
+    send, receive = anyio.create_memory_object_stream[Sample](4)
+    samples = _samples(2)
+    async with send, receive, anyio.create_task_group() as tg:
+
+        async def run() -> None:
+            summaries.append(await _run(server, store, receive, concurrency=2))
+
+        summaries: list[ExtractionSummary] = []
+        tg.start_soon(run)
+        await send.send(samples[0])
+        while not store.refs:
+            await anyio.wait_all_tasks_blocked()
+        await anyio.wait_all_tasks_blocked()  # the run is waiting for its next sample
+        gc.collect()
+        assert store.refs[0]() is None, "the written sample's states are still referenced"
+        await send.send(samples[1])
+        await send.aclose()
+    assert store.writes == ["s0", "s1"] and summaries[0].samples_done == 2

@@ -433,6 +433,8 @@ class _Run:
                 extracted = await self.attempts(sample)
                 if extracted is not None:
                     await out.send((*extracted, time.perf_counter()))
+                    # The states hold the dump's pages: not over the wait for the next sample.
+                    del extracted
                     continue
                 self._report()
                 if self.fail_fast:
@@ -446,6 +448,7 @@ class _Run:
             async for sample, states, attempt, extracted_at in results:
                 await self._write_slots.acquire()
                 writes.start_soon(self._write_one, sample, states, attempt, extracted_at, scope)
+                del states  # the write holds them for as long as it needs them
 
     async def _write_one(
         self,
