@@ -65,6 +65,7 @@ class MappedFile(mmap.mmap):
 
     fd: int
     address: int
+    populated: bool  # False where its pages were left for the reader to fault in or read
 
     @classmethod
     def of(cls, fd: int, nbytes: int) -> MappedFile:
@@ -77,6 +78,7 @@ class MappedFile(mmap.mmap):
         mapped = cls(fd, nbytes, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         mapped.address = _address_of(mapped)
         mapped.fd = os.dup(fd)
+        mapped.populated = True
         with _lock:
             _known[mapped.address] = weakref.ref(mapped)
         weakref.finalize(mapped, _forget, mapped.address, mapped.fd)
@@ -113,15 +115,14 @@ def _advise(address: int, length: int, advice: int) -> None:
 
 
 def populate_rows(bits: np.ndarray, rows: Iterable[int]) -> None:
-    """Fault in the pages under ``rows`` of ``bits`` where it lies on a `MappedFile` (a mapping
-    left unpopulated), which also proves the file still covers them: touching a page past a file
-    cut short would raise SIGBUS.
+    """Fault in the pages under ``rows`` of ``bits`` where it lies on a `MappedFile` left
+    unpopulated, which also proves the file still covers them: touching a page past a file cut
+    short would raise SIGBUS. Any other array is left as it is.
 
     Raises:
         OSError: ``EFAULT`` where the file no longer covers a row.
     """
-    found = _mapping_of(bits)
-    if found is None:
+    if _unpopulated_mapping_of(bits) is None:
         return
     base = bits.__array_interface__["data"][0]
     page = mmap.PAGESIZE
@@ -133,13 +134,19 @@ def populate_rows(bits: np.ndarray, rows: Iterable[int]) -> None:
 
 
 def file_span(bits: np.ndarray) -> tuple[int, int] | None:
-    """The descriptor of the file under ``bits`` where it lies on a `MappedFile`, and the offset
-    of its first byte in that file; None for any other array. The descriptor is the mapping's
-    own: it stays open while the mapping lives, which ``bits`` keeps alive."""
-    found = _mapping_of(bits)
+    """The descriptor of the file under ``bits`` where it lies on a `MappedFile` left
+    unpopulated (its reader reads the file, not the mapping), and the offset of its first byte in
+    that file; None for any other array. The descriptor is the mapping's own: it stays open while
+    the mapping lives, which ``bits`` keeps alive."""
+    found = _unpopulated_mapping_of(bits)
     if found is None:
         return None
     return found.fd, bits.__array_interface__["data"][0] - found.address
+
+
+def _unpopulated_mapping_of(bits: np.ndarray) -> MappedFile | None:
+    found = _mapping_of(bits)
+    return found if found is not None and not found.populated else None
 
 
 def _forget(address: int, fd: int) -> None:

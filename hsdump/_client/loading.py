@@ -117,17 +117,12 @@ def read_dump(
             lazy=lazy,
             **context,
         )
-        declared = _read_moments(path, meta, aux, final, context, lazy) if moments else None
+        declared = _read_moments(path, meta, aux, final, context) if moments else None
     return Dump(path=path, meta=meta, aux=aux, final=final, moments=declared)
 
 
 def _read_moments(
-    path: Path,
-    meta: DumpMeta,
-    aux: np.ndarray,
-    final: np.ndarray,
-    context: dict[str, Any],
-    lazy: bool,
+    path: Path, meta: DumpMeta, aux: np.ndarray, final: np.ndarray, context: dict[str, Any]
 ) -> np.ndarray:
     """``moments.bin``, read into fresh memory (64 bytes a token), checked on a few rows."""
     shape = (meta.num_tokens, len(meta.layer_ids) + 1, 2)
@@ -135,10 +130,9 @@ def _read_moments(
     bits = read_checked(path / MOMENTS_FILE, shape, "float32", "moments", **context)
     declared = np.array(bits.view(np.float32))  # a private copy: the mapping goes with the dump
     rows = spot_rows(meta.num_tokens)
-    try:
-        if lazy:  # the mappings were left unpopulated: fault in only the rows read here
-            populate_rows(aux, rows)
-            populate_rows(final, rows)
+    try:  # where the mappings were left unpopulated, fault in only the rows read here
+        populate_rows(aux, rows)
+        populate_rows(final, rows)
     except OSError as exc:
         raise DumpValidationError(
             f"{path} could not be read: {exc} (did something cut its files short after they "

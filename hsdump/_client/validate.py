@@ -344,6 +344,7 @@ def map_private(fd: int, nbytes: int, *, populated: bool = True) -> MappedFile |
     except (OSError, ValueError):
         return None
     if not populated:
+        mapped.populated = False
         return mapped
     try:
         populate(mapped, _MADV_POPULATE_READ)

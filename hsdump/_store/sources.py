@@ -106,13 +106,11 @@ class _FileSource:
 
 
 def row_source(bits: np.ndarray, *, from_file: bool) -> RowSource:
-    """How to read ``bits`` (``[T, ...]``) row by row: with ``from_file`` and
-    ``HSDUMP_DUMP_READS=file``, from the file under it where it is a C-contiguous array on a
-    dump's mapping; else from the array."""
-    from hsdump._settings import settings
-
+    """How to read ``bits`` (``[T, ...]``) row by row: with ``from_file``, from the file under it
+    where it is a C-contiguous array on a dump's mapping that ingest left unpopulated (what
+    ``HSDUMP_DUMP_READS=file`` does); else from the array."""
     contiguous = bits.ndim > 0 and bits.shape[0] > 0 and bits.flags.c_contiguous
-    if not (from_file and contiguous and settings().dump_reads == "file"):
+    if not (from_file and contiguous):
         return _ArraySource(bits)
     span = file_span(bits)
     if span is None:
