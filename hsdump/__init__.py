@@ -62,32 +62,34 @@ if TYPE_CHECKING:
         WatchfilesWatcher,
     )
     from hsdump._protocol import DumpMeta, ProducerInfo
-    from hsdump._run.dataset import HiddenStateDataset
+    from hsdump._run.common import Backoff, ExtractionSummary, Failure, RunOptions
     from hsdump._run.parallel import run_parallel_extraction
-    from hsdump._run.pipeline import Backoff, ExtractionSummary, Failure, run_extraction
+    from hsdump._run.pipeline import run_extraction
     from hsdump._run.ray_driver import run_ray_extraction
     from hsdump._servers.reference import ReferenceServer
+    from hsdump._store.options import StoreOptions
     from hsdump._store.provenance import Provenance
     from hsdump._store.reader import CorruptSample, VerifyReport
     from hsdump._store.stats import LayerStats
     from hsdump._store.store import HiddenStateStore, open_store, verify_store
     from hsdump._training.batching import LengthBucketSampler, pad_collate
+    from hsdump._training.dataset import HiddenStateDataset
     from hsdump._training.export import ExportSummary, export_store
 
 __version__ = "0.1.0"
 
 # Names loaded from their modules on first use (see __getattr__).
 _LAZY = {
-    "Backoff": "hsdump._run.pipeline",
+    "Backoff": "hsdump._run.common",
     "ClientStats": "hsdump._client.client",
     "CorruptSample": "hsdump._store.reader",
     "DumpMeta": "hsdump._protocol",
     "DumpWatcher": "hsdump._client.watcher",
     "ExportSummary": "hsdump._training.export",
-    "ExtractionSummary": "hsdump._run.pipeline",
-    "Failure": "hsdump._run.pipeline",
+    "ExtractionSummary": "hsdump._run.common",
+    "Failure": "hsdump._run.common",
     "HiddenStateClient": "hsdump._client.client",
-    "HiddenStateDataset": "hsdump._run.dataset",
+    "HiddenStateDataset": "hsdump._training.dataset",
     "HiddenStateStore": "hsdump._store.store",
     "InotifyWatcher": "hsdump._client.watcher",
     "LayerStats": "hsdump._store.stats",
@@ -96,8 +98,10 @@ _LAZY = {
     "ProducerInfo": "hsdump._protocol",
     "Provenance": "hsdump._store.provenance",
     "ReferenceServer": "hsdump._servers.reference",
+    "RunOptions": "hsdump._run.common",
     "RequestSender": "hsdump._client.sending",
     "ServerAnswer": "hsdump._client.sending",
+    "StoreOptions": "hsdump._store.options",
     "VerifyReport": "hsdump._store.reader",
     "WatchfilesWatcher": "hsdump._client.watcher",
     "export_store": "hsdump._training.export",
@@ -149,6 +153,7 @@ __all__ = [
     "ReferenceServer",
     "RequestSender",
     "RidMismatch",
+    "RunOptions",
     "Sample",
     "SampleExistsError",
     "SampleNotFoundError",
@@ -167,6 +172,7 @@ __all__ = [
     "StoreExistsError",
     "StoreIOError",
     "StoreNotFoundError",
+    "StoreOptions",
     "StoreReadOnlyError",
     "StoreWriteFailedError",
     "TokenMismatch",

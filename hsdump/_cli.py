@@ -16,7 +16,8 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+import sys
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypedDict, TypeVar
@@ -28,12 +29,13 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from hsdump._cli_report import console, print_summary, progress_view
+from hsdump._cores import EXTRACTION_SWITCH_INTERVAL_S
 from hsdump._exceptions import HsdumpError
 from hsdump._run.signals import GracefulStop, Stopped
 from hsdump._store.objstore import local_side, store_may_exist
 
 if TYPE_CHECKING:
-    from hsdump import ExportSummary, Failure
+    from hsdump import ExportSummary, ExtractionSummary, Failure, RunOptions
     from hsdump._run.inputs import Dataset, InputLimits, Shard
 
 __all__ = ["app", "main"]
@@ -196,6 +198,26 @@ class _ExtractOptions:
     def store_options(self) -> _StoreOptions:
         return _StoreOptions(shard_tokens=self.shard_tokens) if self.shard_tokens else {}
 
+    def run_options(
+        self,
+        failures_path: Path,
+        progress: Callable[[ExtractionSummary], None],
+        line_numbers: Mapping[str, int],
+        prior: Sequence[Failure],
+    ) -> RunOptions:
+        """What every runner takes about the samples of this run."""
+        from hsdump._run.common import RunOptions
+
+        return RunOptions(
+            concurrency=self.concurrency,
+            retries=self.retries,
+            fail_fast=self.fail_fast,
+            failures_path=failures_path,
+            progress=progress,
+            line_numbers=line_numbers,
+            prior_failures=prior,
+        )
+
     def tokenizer_or_none(self) -> Any:
         """The ``--tokenizer`` (a transformers tokenizer), loaded; None without the option."""
         from hsdump._run.inputs import load_tokenizer
@@ -216,8 +238,8 @@ async def _prepare(
 
 
 def _read_dataset(options: _ExtractOptions, limits: InputLimits) -> tuple[Dataset, list[Failure]]:
+    from hsdump._run.common import Failure
     from hsdump._run.inputs import read_dataset
-    from hsdump._run.pipeline import Failure
 
     dataset = read_dataset(options.dataset, limits=limits, tokenizer=options.tokenizer_or_none())
     if options.shard is not None:
@@ -244,8 +266,9 @@ async def _extract(
     import anyio
 
     from hsdump._client.client import HiddenStateClient
+    from hsdump._run.common import failures_path_for
     from hsdump._run.inputs import InputLimits
-    from hsdump._run.pipeline import failures_path_for, run_extraction
+    from hsdump._run.pipeline import run_extraction
     from hsdump._store.store import open_store
 
     client = HiddenStateClient(
@@ -267,18 +290,8 @@ async def _extract(
             anyio.CancelScope() as scope,
             stop.cancelling(scope),
         ):
-            await run_extraction(
-                dataset.samples,
-                client=client,
-                store=store,
-                retries=options.retries,
-                concurrency=options.concurrency,
-                failures_path=failures_path,
-                fail_fast=options.fail_fast,
-                progress=view,
-                line_numbers=dataset.line_numbers,
-                prior_failures=prior,
-            )
+            run = options.run_options(failures_path, view, dataset.line_numbers, prior)
+            await run_extraction(dataset.samples, client=client, store=store, options=run)
     summary = view.summary  # the run's own summary, also when it was cancelled
     if summary is None:
         return stop.exit_code or EXIT_INTERRUPTED
@@ -293,8 +306,8 @@ def _extract_parallel(options: _ExtractOptions, url: str, dump_dir: Path | None)
     """``--workers`` > 1: extraction in worker processes, each with its own store part."""
     import anyio
 
+    from hsdump._run.common import failures_path_for
     from hsdump._run.parallel import run_parallel_extraction
-    from hsdump._run.pipeline import failures_path_for
 
     dataset, prior = anyio.run(_prepare, options, url, dump_dir)
     failures_path = failures_path_for(local_side(options.out))
@@ -308,13 +321,7 @@ def _extract_parallel(options: _ExtractOptions, url: str, dump_dir: Path | None)
                 writer_id=options.writer_id,
                 servers=options.servers,
                 workers=options.workers,
-                concurrency=options.concurrency,
-                retries=options.retries,
-                fail_fast=options.fail_fast,
-                failures_path=failures_path,
-                progress=view,
-                line_numbers=dataset.line_numbers,
-                prior_failures=prior,
+                options=options.run_options(failures_path, view, dataset.line_numbers, prior),
                 client_options=options.client_options(),
                 store_options=options.store_options(),
             )
@@ -332,7 +339,7 @@ def _extract_ray(
 ) -> int:
     """``--ray``: one actor per server of the servers file, each on its server's node."""
     from hsdump._exceptions import ConfigError
-    from hsdump._run.pipeline import failures_path_for
+    from hsdump._run.common import failures_path_for
     from hsdump._run.ray_cluster import input_limits, require_ray
     from hsdump._run.ray_driver import run_ray_extraction
 
@@ -346,11 +353,9 @@ def _extract_ray(
         try:
             summary = run_ray_extraction(
                 dataset.samples, servers=listed, store=options.out, address=address,
-                writer_id=options.writer_id, concurrency=options.concurrency,
-                retries=options.retries, fail_fast=options.fail_fast,
-                failures_path=failures_path, progress=view, line_numbers=dataset.line_numbers,
-                prior_failures=prior, client_options=options.client_options(),
-                store_options=options.store_options(),
+                writer_id=options.writer_id,
+                options=options.run_options(failures_path, view, dataset.line_numbers, prior),
+                client_options=options.client_options(), store_options=options.store_options(),
             )  # fmt: skip
         except KeyboardInterrupt as exc:
             if stop.signum is None or isinstance(exc, Stopped):
@@ -534,8 +539,8 @@ def _warn_small_pages(roots: Sequence[Path | None]) -> None:
 
 def _all_stored(options: _ExtractOptions) -> bool:
     """Say so, and end, when the store holds every sample of the dataset: no server needed."""
+    from hsdump._run.common import failures_path_for
     from hsdump._run.inputs import read_dataset
-    from hsdump._run.pipeline import failures_path_for
     from hsdump._store.store import open_store
 
     path, store_path = options.dataset, options.out
@@ -821,4 +826,5 @@ def export(
 
 def main() -> None:
     """The ``hsdump`` console script."""
+    sys.setswitchinterval(EXTRACTION_SWITCH_INTERVAL_S)  # this process is hsdump's own
     app()

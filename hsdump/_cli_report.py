@@ -118,7 +118,7 @@ def print_summary(
         f"{summary.tokens_per_s:,.0f} tokens/s, {len(summary.failures)} failed",
         highlight=False,
     )
-    from hsdump._run.pipeline import QUEUES
+    from hsdump._run.common import QUEUES
 
     work = {name: s for name, s in summary.stages.items() if name not in QUEUES}
     if work:

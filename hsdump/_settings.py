@@ -38,19 +38,6 @@ class Settings(BaseSettings):
         lease_ttl_s: Seconds a store part's lease on object storage lives without renewal.
         commit_interval_s: Seconds between a store writer's commits while it writes.
         shard_writers: Store shards written at once; None: one per two cores, 2 to 8.
-        store_process: Whether each worker of a multi-process extraction writes its store part
-            from a process of its own, so its client and its store do not share one interpreter.
-        switch_interval_us: The interpreter's switch interval during an extraction run, in
-            microseconds (Python's own is 5000); the server plugin reads the same variable for
-            the scheduler process.
-        value_checks: Where an extraction run checks the values of each dump (finite, no vector
-            all zeros): ``store``, in the store's placement, which reads every byte anyway
-            (where the store and the client support it); ``ingest``, as each dump is read.
-        dump_reads: How the store's placement reads the rows of a dump whose values it checks:
-            ``mapping``, through the dump's mapping, every page faulted in as the dump is read;
-            ``file``, with the kernel's scattered read from the dump file straight into the
-            shard, the mapping never faulted in (no page of the dump mapped into the process,
-            and a file cut short under the store refuses its sample instead of raising SIGBUS).
     """
 
     model_config = SettingsConfigDict(
@@ -70,16 +57,6 @@ class Settings(BaseSettings):
         default=1.0, description="a number of seconds, 0 or more"
     )
     shard_writers: PositiveInt | None = Field(default=None, description="a whole number above 0")
-    store_process: bool = Field(default=False, description="true or false (1 or 0)")
-    switch_interval_us: PositiveInt = Field(
-        default=500, description="a whole number of microseconds above 0, for example 500"
-    )
-    value_checks: Literal["store", "ingest"] = Field(
-        default="store", description="one of store, ingest"
-    )
-    dump_reads: Literal["file", "mapping"] = Field(
-        default="mapping", description="one of mapping, file"
-    )
 
 
 def settings() -> Settings:

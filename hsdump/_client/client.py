@@ -56,7 +56,7 @@ from hsdump._types import Sample
 if TYPE_CHECKING:
     from hsdump._types import HiddenStates
 
-__all__ = ["ClientStats", "HiddenStateClient"]
+__all__ = ["ClientStats", "HiddenStateClient", "extract_unchecked"]
 
 logger = logging.getLogger(__name__)
 # What a dump holds beside its tensors: meta.json (token ids as JSON text) and the markers.
@@ -174,6 +174,8 @@ class HiddenStateClient:
             HTTP client (``server_info`` is still read through it). A multi-process extraction
             gives each worker one that sends through the parent process, with ``gate`` left
             open: the parent holds the run's bound on requests in flight.
+        cores: Cores its ingest threads are sized by (default: ``$HSDUMP_CORES``, else this
+            process's CPU affinity).
     """
 
     def __init__(
@@ -193,6 +195,7 @@ class HiddenStateClient:
         gate: AbstractAsyncContextManager[Any] | None = None,
         probe: bool = True,
         sender: RequestSender | None = None,
+        cores: int | None = None,
     ):
         if max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be at least 1, got {max_in_flight}")
@@ -219,7 +222,7 @@ class HiddenStateClient:
         )
         # Reading and checking a dump is memory-bound work: more threads than cores only add page
         # faults and allocator contention (8 at once cost twice the CPU per dump of 1 on 2 cores).
-        self._ingest_limiter = anyio.CapacityLimiter(_ingest_threads())
+        self._ingest_limiter = anyio.CapacityLimiter(_ingest_threads(cores))
         self._abandoned: set[str] = set()
         self._state = _State.UNOPENED
 
@@ -322,20 +325,15 @@ class HiddenStateClient:
 
     # -- extraction --------------------------------------------------------------------------
 
-    async def extract(self, sample: Sample, *, defer_value_checks: bool = False) -> HiddenStates:
+    async def extract(self, sample: Sample) -> HiddenStates:
         """Run ``sample`` through the server and return its verified hidden states.
 
         One attempt with a fresh request id; errors are `HsdumpError` subclasses whose
         ``transient`` attribute says whether a retry may succeed.
-
-        Args:
-            sample: The sample.
-            defer_value_checks: Leave the check of the values (finite, no vector all zeros) to
-                the `HiddenStateStore` that writes them, which takes it in the pass that places
-                them, and refuses the sample there (`HiddenStates.values_checked` is then
-                False). Identity, tokens, shapes, layers and dtype are checked here as always.
-                Only taken when what the dumps must hold comes from the producer manifest.
         """
+        return await self._extract(sample, check_values=True)
+
+    async def _extract(self, sample: Sample, *, check_values: bool) -> HiddenStates:
         if self._state is not _State.OPEN:
             raise ConfigError(f"this client is {self._state.value}: use it inside `async with`")
         self.limits.check(sample.input_ids, sample_id=sample.id)
@@ -343,7 +341,7 @@ class HiddenStateClient:
         nbytes = _META_BYTES + len(sample.input_ids) * self._dump_bytes_per_token()
         await self.budget.acquire(nbytes)
         try:
-            return await self._extract_once(sample, defer_value_checks)
+            return await self._extract_once(sample, check_values)
         except HsdumpError as exc:
             name = type(exc).__name__
             self.stats.failures[name] = self.stats.failures.get(name, 0) + 1
@@ -352,7 +350,7 @@ class HiddenStateClient:
             with anyio.CancelScope(shield=True):
                 await self.budget.release(nbytes)
 
-    async def _extract_once(self, sample: Sample, defer_value_checks: bool) -> HiddenStates:
+    async def _extract_once(self, sample: Sample, check_values: bool) -> HiddenStates:
         rid = self._lease.new_rid()
         path = None
         try:
@@ -362,17 +360,18 @@ class HiddenStateClient:
                 self._abandon(rid)
         queued = time.perf_counter()
         states, began = await anyio.to_thread.run_sync(
-            self._ingest, sample, rid, path, defer_value_checks, limiter=self._ingest_limiter
+            self._ingest, sample, rid, path, check_values, limiter=self._ingest_limiter
         )
         self._account(states, began - queued, time.perf_counter() - began)
         return states
 
     def _ingest(
-        self, sample: Sample, rid: str, path: Path, defer_value_checks: bool
+        self, sample: Sample, rid: str, path: Path, check_values: bool
     ) -> tuple[HiddenStates, float]:
         began = time.perf_counter()
         expected = self._expected
-        check_values = not (defer_value_checks and expected.complete)
+        # What a dump must hold is only learnt from a checked one (`Expected.remember`).
+        check_values = check_values or not expected.complete
         try:
             states = load_dump(
                 path, sample=sample, rid=rid, expected=expected, check_values=check_values
@@ -512,9 +511,9 @@ class HiddenStateClient:
                 self._abandoned.discard(rid)
 
 
-def _ingest_threads() -> int:
+def _ingest_threads(configured: int | None) -> int:
     """Dumps read and checked at once: half the cores, 1 to 4 (one reads ~2 GB/s here)."""
-    return max(1, min(4, cores() // 2))
+    return max(1, min(4, cores(configured) // 2))
 
 
 def _json(response: httpx.Response, what: str, **context: Any) -> Any:
@@ -571,3 +570,13 @@ def check_server_settings(info: dict[str, Any], manifest: ProducerManifest, url:
             f"({manifest.producer.name}) cannot assemble chunks, so long prompts would lose rows. "
             "Restart it with --chunked-prefill-size -1."
         )
+
+
+async def extract_unchecked(client: HiddenStateClient, sample: Sample) -> HiddenStates:
+    """`HiddenStateClient.extract`, with the check of the values (finite, no vector all zeros)
+    left to the `HiddenStateStore` that writes them: it takes the check in the pass that places
+    them and refuses the sample there (`HiddenStates.values_checked` is False). Identity, tokens,
+    shapes, layers and dtype are checked here as always. An extraction run uses it; the values
+    are checked here as well until what the dumps must hold is known from the producer manifest.
+    """
+    return await client._extract(sample, check_values=False)

@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hsdump._client.validate import Expected, read_checked, validate_meta
-from hsdump._exceptions import DumpValidationError
-from hsdump._mapped import populate_rows
+from hsdump._client.dumpfiles import read_checked
+from hsdump._client.validate import Expected, validate_meta
 from hsdump._protocol import (
     AUX_FILE,
     FINAL_FILE,
@@ -30,7 +29,6 @@ from hsdump._protocol import (
     read_meta,
     spot_rows,
 )
-from hsdump._settings import settings
 from hsdump._types import HiddenStates
 
 if TYPE_CHECKING:
@@ -81,9 +79,7 @@ def read_dump(
         rid: The request id (named in errors); by default the directory's.
         check: Called with the metadata before any tensor is read; raises to refuse the dump.
         check_values: Check the values (finite, no vector all zeros) as they are read; False
-            leaves that to the caller (a store's placement, `HiddenStates.values_checked`), and
-            with ``HSDUMP_DUMP_READS=file`` leaves the tensor files' mappings
-            unpopulated: the store reads the files themselves (`hsdump._store.sources`).
+            leaves that to the caller (a store's placement, `HiddenStates.values_checked`).
         moments: Read ``moments.bin`` too (the producer announced ``row_moments``) and check it
             against the values of a few rows (`hsdump._protocol.spot_rows`).
 
@@ -105,16 +101,14 @@ def read_dump(
             "dir_fd": dir_fd,
             "check_values": check_values,
         }
-        lazy = not check_values and settings().dump_reads == "file"
         aux = read_checked(
-            path / AUX_FILE, meta.aux_shape, meta.dtype, "aux_hidden_states", lazy=lazy, **context
+            path / AUX_FILE, meta.aux_shape, meta.dtype, "aux_hidden_states", **context
         )
         final = read_checked(
             path / FINAL_FILE,
             meta.final_shape,
             meta.dtype,
             "final_hidden_state",
-            lazy=lazy,
             **context,
         )
         declared = _read_moments(path, meta, aux, final, context) if moments else None
@@ -130,16 +124,6 @@ def _read_moments(
     bits = read_checked(path / MOMENTS_FILE, shape, "float32", "moments", **context)
     declared = np.array(bits.view(np.float32))  # a private copy: the mapping goes with the dump
     rows = spot_rows(meta.num_tokens)
-    try:  # where the mappings were left unpopulated, fault in only the rows read here
-        populate_rows(aux, rows)
-        populate_rows(final, rows)
-    except OSError as exc:
-        raise DumpValidationError(
-            f"{path} could not be read: {exc} (did something cut its files short after they "
-            "were checked?)",
-            sample_id=context["sample_id"],
-            rid=context["rid"],
-        ) from exc
     error = moments_error(
         declared,
         aux,

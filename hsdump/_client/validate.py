@@ -1,27 +1,20 @@
 """Always-on checks that a response and a dump belong to the sample and hold usable values.
 
 Every check raises its own `DumpValidationError` subclass naming the sample, the
-request, what was expected and what was found. The value checks read the floats' bits directly
-(no conversion, with the masks of `DTYPES`) in cache-sized blocks as they
-are read from the dump, so they cost one pass.
+request, what was expected and what was found. Reading a dump's tensor files,
+with their value checks, is `hsdump._client.dumpfiles`.
 """
 
 from __future__ import annotations
 
-import errno
-import io
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from hsdump._client.limits import local_model_config
 from hsdump._exceptions import (
     DtypeMismatch,
-    DumpValidationError,
     LayerMismatch,
     RidMismatch,
     ServerConfigError,
@@ -29,25 +22,13 @@ from hsdump._exceptions import (
     ShapeMismatch,
     TokenMismatch,
 )
-from hsdump._mapped import MADV_POPULATE_READ, MappedFile, populate
 from hsdump._protocol import (
     DumpMeta,
     ProducerManifest,
-    check_file_size,
-    dtype_spec,
-    open_dump_file,
-    value_error,
 )
 
-__all__ = ["Expected", "check_response", "read_checked", "validate_meta"]
+__all__ = ["Expected", "check_response", "validate_meta"]
 
-# 2 MiB blocks: scanned while still in cache, and few enough that reading and checking a dump
-# takes ~30 GIL hand-offs (512 KiB blocks cost more CPU per dump here, and 4x the hand-offs,
-# which slowed every other thread of a busy process on 16 cores; 8 MiB blocks cost 25% more
-# CPU per dump on 2 cores).
-_BLOCK_BYTES = 1 << 21
-# Linux's madvise advice that faults a mapping's pages in for reading (a name tests can replace).
-_MADV_POPULATE_READ = MADV_POPULATE_READ
 # Far above any model's hidden size (the largest are ~2**15), far below sizes that overflow.
 _MAX_HIDDEN_SIZE = 1 << 20
 
@@ -256,134 +237,3 @@ def _check_tokens(got: Sequence[int], sent: Sequence[int], sample_id: str, rid: 
             sample_id=sample_id,
             rid=rid,
         )
-
-
-def read_checked(
-    file: Path,
-    shape: tuple[int, ...],
-    dtype: str,
-    name: str,
-    *,
-    sample_id: str | None = None,
-    rid: str,
-    dir_fd: int | None = None,
-    check_values: bool = True,
-    lazy: bool = False,
-) -> np.ndarray:
-    """A dump's tensor file as an array, checked block by block while each block is in cache.
-
-    ``file`` is opened without following a link, relative to ``dir_fd`` (the dump's directory
-    from `open_dump_dir`) when given.
-
-    The file is mapped copy-on-write (`map_private`), not copied: the array uses the dump's own
-    pages, which outlive the dump's removal, and writing to it touches only this process's copy.
-    Where a file cannot be mapped, it is read into fresh memory instead.
-
-    With ``lazy`` (and without ``check_values``) none of the mapping's pages is faulted in here:
-    the caller reads the file under it (`hsdump._store.sources`) or faults in what it touches
-    (`hsdump._mapped.populate_rows`), since a page past a file cut short raises SIGBUS.
-
-    Raises unless the file holds exactly ``shape`` and, with ``check_values``, every value is
-    finite and no row (or layer of a row) is all zeros. The values arrive as their raw bits
-    (``uint16`` for bf16 and fp16, ``uint32`` for fp32: `bits`).
-    """
-    if min(shape, default=0) < 0:
-        raise ShapeMismatch(
-            f"{name} has shape {list(shape)}: a negative size", sample_id=sample_id, rid=rid
-        )
-    # The file must hold the claimed bytes before any are mapped or allocated: a lying meta.json
-    # could otherwise ask for terabytes.
-    np_dtype = dtype_spec(dtype).bits_dtype
-    nbytes = math.prod(shape) * np_dtype.itemsize
-    check_file_size(file, nbytes, shape, sample_id=sample_id, rid=rid)
-    if not nbytes:
-        return np.empty(shape, np_dtype)
-    rows = max(1, _BLOCK_BYTES // (nbytes // shape[0]))
-    try:
-        with open_dump_file(file, dir_fd=dir_fd, sample_id=sample_id, rid=rid) as fh:
-            mapped = map_private(fh.fileno(), nbytes, populated=check_values or not lazy)
-            # An array on the mapping holds it: it is unmapped when the last one on it is freed.
-            flat = np.empty(nbytes, np.uint8) if mapped is None else np.frombuffer(mapped, np.uint8)
-            out = flat.view(np_dtype).reshape(shape)
-            for start in range(0, shape[0], rows):
-                block = out[start : start + rows]
-                if mapped is None:
-                    _read_exact(fh, block, file, sample_id=sample_id, rid=rid)
-                if check_values:
-                    _check_block(block, start, dtype, name, sample_id=sample_id, rid=rid)
-    except _Shrank as exc:
-        raise DumpValidationError(
-            f"{file} holds fewer than its {nbytes} bytes now: it shrank after its size was "
-            "checked (did something else rewrite the dump?)",
-            sample_id=sample_id,
-            rid=rid,
-        ) from exc
-    except OSError as exc:
-        raise DumpValidationError(
-            f"{file} could not be read: {exc}", sample_id=sample_id, rid=rid
-        ) from exc
-    return out
-
-
-class _Shrank(Exception):
-    """A mapped file no longer covers the mapping."""
-
-
-def map_private(fd: int, nbytes: int, *, populated: bool = True) -> MappedFile | None:
-    """The first ``nbytes`` of ``fd`` mapped copy-on-write, every page present; None where the
-    file system or kernel cannot (the caller then reads the file). A store process can map the
-    same pages again (`hsdump._mapped.share`).
-
-    The pages are faulted in up front (``MADV_POPULATE_READ``), which also proves the file still
-    covers the mapping: a file cut short after its size was checked raises `_Shrank` here, instead
-    of a SIGBUS at first touch. Without that call (Linux before 5.14) nothing is mapped. With
-    ``populated`` False no page is faulted in: the caller reads the file, not the mapping.
-    """
-    try:
-        mapped = MappedFile.of(fd, nbytes)
-    except (OSError, ValueError):
-        return None
-    if not populated:
-        mapped.populated = False
-        return mapped
-    try:
-        populate(mapped, _MADV_POPULATE_READ)
-    except OSError as exc:
-        mapped.close()
-        if exc.errno == errno.EFAULT:
-            raise _Shrank from exc
-        return None
-    return mapped
-
-
-def _read_exact(
-    fh: io.FileIO, block: np.ndarray, file: Path, *, sample_id: str | None, rid: str
-) -> None:
-    view = block.data.cast("B")
-    done = 0
-    while done < len(view):
-        got = fh.readinto(view[done:])
-        if not got:
-            raise DumpValidationError(
-                f"{file} ended after {done} of a block's {len(view)} bytes: it shrank while "
-                "being read (did something else remove or rewrite the dump?)",
-                sample_id=sample_id,
-                rid=rid,
-            )
-        done += got
-
-
-def _check_block(
-    block: np.ndarray, start: int, dtype: str, name: str, *, sample_id: str | None, rid: str
-) -> None:
-    spec = dtype_spec(dtype)
-    error = value_error(
-        spec.peak_magnitude(block, axis=-1),
-        spec,
-        name=name,
-        start=start,
-        sample_id=sample_id,
-        rid=rid,
-    )
-    if error is not None:
-        raise error

@@ -26,23 +26,21 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import signal
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from hsdump._cores import cores
-from hsdump._exceptions import ConfigError, HsdumpError, StoreError, WorkerError
-from hsdump._run.pipeline import (
+from hsdump._exceptions import ConfigError, HsdumpError, WorkerError
+from hsdump._run.common import (
     ExtractionSummary,
     Failure,
-    ProgressCallback,
-    _FailureLog,
-    token_change,
+    FailureLog,
+    RunOptions,
+    plan_samples,
+    sigterm_as_interrupt,
 )
 from hsdump._run.posting import Ask, ParentPosts
 from hsdump._run.worker import COUNTERS, STOP_GRACE_S, WorkerSpec, worker_main
@@ -79,18 +77,27 @@ class _Worker:
 
 
 class _Parallel:
-    def __init__(self, specs: list[WorkerSpec], todo: list[Sample], **options: Any):
+    def __init__(
+        self,
+        specs: list[WorkerSpec],
+        todo: list[Sample],
+        options: RunOptions,
+        *,
+        summary: ExtractionSummary,
+        log: FailureLog,
+        store_path: str,
+    ):
         self.specs = specs
         self.pending: deque[Sample] = deque(todo)
-        self.summary: ExtractionSummary = options["summary"]
-        self.log: _FailureLog = options["log"]
-        self.lines: Mapping[str, int] = options["line_numbers"] or {}
-        self.progress: ProgressCallback | None = options["progress"]
-        self.store_path: str = options["store_path"]
-        self.fail_fast: bool = options["fail_fast"]
+        self.summary = summary
+        self.log = log
+        self.lines = options.line_numbers
+        self.progress = options.progress
+        self.store_path = store_path
+        self.fail_fast = options.fail_fast
         self.credit = specs[0].concurrency + 2
         self.posts = ParentPosts(
-            {spec.server: spec.url for spec in specs}, slots=options["concurrency"],
+            {spec.server: spec.url for spec in specs}, slots=options.concurrency,
             timeout=float(specs[0].client_options.get("request_timeout", _REQUEST_TIMEOUT_S)),
         )  # fmt: skip
         self.context = multiprocessing.get_context("spawn")
@@ -333,13 +340,7 @@ def run_parallel_extraction(
     workers: int,
     writer_id: str | None = None,
     servers: Sequence[tuple[str, str | os.PathLike[str] | None]] = (),
-    concurrency: int = 1,
-    retries: int = 3,
-    fail_fast: bool = False,
-    failures_path: str | os.PathLike[str] | None = None,
-    progress: ProgressCallback | None = None,
-    line_numbers: Mapping[str, int] | None = None,
-    prior_failures: Sequence[Failure] = (),
+    options: RunOptions | None = None,
     client_options: Mapping[str, Any] | None = None,
     store_options: Mapping[str, Any] | None = None,
 ) -> ExtractionSummary:
@@ -347,8 +348,8 @@ def run_parallel_extraction(
 
     Each worker opens its own `HiddenStateClient` on ``url`` and ``dump_dir`` (with
     ``client_options``) and writes its own part ``w<i>`` of the store at ``store`` (opened with
-    ``store_options``); all of them together keep at most ``concurrency`` requests at the server.
-    A rerun, with any number of workers, resumes.
+    ``store_options``); all of them together keep at most ``options.concurrency`` requests at
+    the server. A rerun, with any number of workers, resumes.
 
     Args:
         samples: The samples.
@@ -362,13 +363,8 @@ def run_parallel_extraction(
             ``dump_dir``: each gets ``workers`` workers and its own bound of ``concurrency``,
             and samples go to whichever worker has room, so a slow server takes fewer. A server
             whose workers cannot open is left out (with a warning) while others run.
-        concurrency: Requests at each server at once, over its workers.
-        retries: Retries of a sample after a transient failure.
-        fail_fast: Stop at the first failure.
-        failures_path: The JSONL failures file, rewritten by each run; none when None.
-        progress: Called with the live summary (at most every 0.1 s).
-        line_numbers: Dataset line of each sample id, for the failures file.
-        prior_failures: Failures found before the run (bad dataset lines), recorded first.
+        options: Concurrency (requests at each server, over its workers), retries, the failures
+            file, progress (at most every 0.1 s); `RunOptions`' defaults when None.
         client_options: Further `HiddenStateClient` arguments (timeouts...).
         store_options: Further `open_store` arguments (``shard_tokens``...).
 
@@ -379,41 +375,37 @@ def run_parallel_extraction(
         WorkerError: A worker could not open its client or store, or kept dying.
         KeyboardInterrupt: Ctrl-C or SIGTERM, once every worker has committed and exited.
     """
-    if workers < 1 or concurrency < 1 or retries < 0:
-        raise ConfigError(
-            f"workers and concurrency must be >= 1 and retries >= 0, got {workers}, "
-            f"{concurrency}, {retries}"
-        )
+    options = options or RunOptions()
+    if workers < 1:
+        raise ConfigError(f"workers must be >= 1, got {workers}")
     if url is None and not servers:
         raise ConfigError("name the server: url (and dump_dir), or servers")
-    summary = ExtractionSummary(failures=list(prior_failures), workers=workers)
-    todo = _plan(samples, str(store), summary, line_numbers or {})
-    planned = summary.failures[len(prior_failures) :]
-    per_worker = -(-concurrency // workers) + 1
+    summary = ExtractionSummary(failures=list(options.prior_failures), workers=workers)
+    todo = plan_samples(samples, str(store), summary, options.line_numbers)
+    planned = summary.failures[len(options.prior_failures) :]
+    per_worker = -(-options.concurrency // workers) + 1
     targets = list(servers) or [(str(url), dump_dir)]
     count = min(workers, max(len(todo), 1))
     specs = [
         WorkerSpec(
             index=j * count + i, url=target, dump_dir=None if root is None else str(root),
-            store=str(store), concurrency=per_worker, retries=retries, fail_fast=fail_fast,
+            store=str(store), concurrency=per_worker, retries=options.retries,
+            fail_fast=options.fail_fast, part=writer_id, server=j,
             client_options=_share_budget(client_options or {}, workers),
-            store_options=dict(store_options or {}), part=writer_id, server=j,
+            store_options=dict(store_options or {}),
             parent_pid=os.getpid(), cores=max(1, cores() // (count * len(targets))),
         )
         for j, (target, root) in enumerate(targets)
         for i in range(count)
     ]  # fmt: skip
     summary.workers = len(specs)
-    path = Path(failures_path) if failures_path is not None else None
-    with _FailureLog(path) as log, _sigterm_as_interrupt():
-        for failure in [*prior_failures, *planned]:
+    with options.failure_log() as log, sigterm_as_interrupt():
+        for failure in planned:
             log.record(failure)
-        if todo and not (fail_fast and summary.failures):
+        if todo and not (options.fail_fast and summary.failures):
             runner = _Parallel(
-                specs, todo, summary=summary, log=log, line_numbers=line_numbers,
-                progress=progress, store_path=str(store), fail_fast=fail_fast,
-                concurrency=concurrency,
-            )  # fmt: skip
+                specs, todo, options, summary=summary, log=log, store_path=str(store)
+            )
             try:
                 runner.run()
             finally:
@@ -434,66 +426,9 @@ def committed_ids(store: str) -> set[str]:
         return set()
 
 
-def _absent(store: str) -> bool:
-    """A local path with nothing there (a URL is asked of the store itself)."""
-    return "://" not in store and not Path(store).exists()
-
-
-def _plan(
-    samples: Sequence[Sample],
-    store: str,
-    summary: ExtractionSummary,
-    line_numbers: Mapping[str, int],
-) -> list[Sample]:
-    """What is left to do; a stored id whose dataset tokens changed is a failure, not a skip."""
-    from hsdump._store.store import open_store
-
-    try:
-        opened_store = None if _absent(store) else open_store(store, "r")
-    except StoreError:  # an object-store URL with no store yet (the workers report any other)
-        opened_store = None
-    if opened_store is None:
-        todo = list(samples)
-    else:
-        with opened_store as opened:
-            todo = [s for s in samples if s.id not in opened]
-            for sample in (s for s in samples if s.id in opened):
-                exc = token_change(opened, sample)
-                if exc is not None:
-                    line = line_numbers.get(sample.id)
-                    summary.failures.append(
-                        Failure(sample.id, line, type(exc).__name__, str(exc), 0)
-                    )
-                else:
-                    summary.skipped += 1
-    summary.samples_total = len(todo)
-    summary.tokens_total = sum(len(s.input_ids) for s in todo)
-    return todo
-
-
 def _share_budget(options: Mapping[str, Any], workers: int) -> dict[str, Any]:
     """Each worker gets its share of an explicit dump budget, so their sum stays the bound."""
     shared = dict(options)
     if shared.get("dump_budget_bytes"):
         shared["dump_budget_bytes"] = max(1, shared["dump_budget_bytes"] // workers)
     return shared
-
-
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM stops the run like Ctrl-C, unless the caller handles SIGTERM already."""
-    try:
-        installed = signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-        if installed:
-            signal.signal(signal.SIGTERM, _interrupt)
-    except ValueError:  # not the main thread: signals are the main thread's business
-        installed = False
-    try:
-        yield  # outside the try above: a ValueError of the run (a ConfigError) is not caught
-    finally:
-        if installed:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")

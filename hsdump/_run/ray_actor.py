@@ -20,18 +20,18 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from hsdump._exceptions import HsdumpError, StoreError
-from hsdump._run.pipeline import (
+from hsdump._run.common import (
     ExtractionSummary,
     ExtractorSpec,
     Failure,
-    _store_bytes,
     peak_rss_bytes,
-    run_extraction,
 )
+from hsdump._run.pipeline import run_extraction
 from hsdump._types import Sample
 
 if TYPE_CHECKING:
     from hsdump._client.client import ClientStats, HiddenStateClient
+    from hsdump._store.store import HiddenStateStore
 
 __all__ = ["ActorSpec", "BatchResult", "ExtractionActor"]
 
@@ -152,9 +152,8 @@ class ExtractionActor:
         self._feeds.add(feed)
         try:
             summary = await run_extraction(
-                feed, client=self._opened()[0], store=self._store, retries=self.spec.retries,
-                concurrency=self.spec.concurrency, fail_fast=self.spec.fail_fast,
-            )  # fmt: skip
+                feed, client=self._opened()[0], store=self._store, options=self.spec.run_options()
+            )
         except HsdumpError as exc:  # the store refused a write: no later batch would fare better
             return BatchResult(error=type(exc).__name__, message=str(exc), totals=self._totals())
         finally:
@@ -200,3 +199,8 @@ class ExtractionActor:
             "store_bytes_raw": raw - start.stored[0],
             "bytes_stored": stored - start.stored[1],
         }
+
+
+def _store_bytes(store: HiddenStateStore) -> tuple[int, int]:
+    """Raw and stored bytes of the same samples (a store may commit after writing)."""
+    return store.bytes_raw_written, store.bytes_stored

@@ -8,13 +8,10 @@ never imports it.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import signal
-import threading
 from collections.abc import Iterator, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hsdump._exceptions import ConfigError
@@ -29,7 +26,6 @@ __all__ = [
     "input_limits",
     "require_ray",
     "resolve_nodes",
-    "writer_gone",
 ]
 
 logger = logging.getLogger(__name__)
@@ -37,33 +33,6 @@ logger = logging.getLogger(__name__)
 NODE_RESOURCE = "hsdump-node:"
 
 ServerEntry = tuple[str, "str | os.PathLike[str] | None", "str | None"]
-
-
-def writer_gone(store: str, writer_id: str, timeout: float) -> bool:
-    """Whether the part's writer lock is free within ``timeout`` s (its process is gone)."""
-    from hsdump._store.backend import LOCK_DIR_SUFFIX
-    from hsdump._store.part import PART_PREFIX
-
-    if "://" in store:
-        return True  # object storage: its parts are leased, with no lock to wait for here
-    root = Path(store).resolve()
-    lock = root.parent / f"{root.name}{LOCK_DIR_SUFFIX}" / f"{PART_PREFIX}{writer_id}.lock"
-    try:
-        fd = os.open(lock, os.O_RDWR)
-    except FileNotFoundError:
-        return True  # not a local store, or the part never opened
-    freed = threading.Event()
-
-    def take() -> None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # blocks until the dead writer's lock is released
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
-        freed.set()
-
-    threading.Thread(target=take, name=f"hsdump-fence-{writer_id}", daemon=True).start()
-    return freed.wait(timeout)
 
 
 # -- Ray and its nodes ----------------------------------------------------------------------------

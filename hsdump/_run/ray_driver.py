@@ -38,11 +38,19 @@ from pathlib import Path
 from typing import Any
 
 from hsdump._exceptions import ConfigError, WorkerError
-from hsdump._run.parallel import _plan, _sigterm_as_interrupt, committed_ids
-from hsdump._run.pipeline import ExtractionSummary, Failure, ProgressCallback, _FailureLog
+from hsdump._run.common import (
+    ExtractionSummary,
+    Failure,
+    FailureLog,
+    RunOptions,
+    plan_samples,
+    sigterm_as_interrupt,
+)
+from hsdump._run.parallel import committed_ids
 from hsdump._run.ray_actor import ActorSpec, BatchResult, ExtractionActor
-from hsdump._run.ray_cluster import ServerEntry, connected, require_ray, resolve_nodes, writer_gone
+from hsdump._run.ray_cluster import ServerEntry, connected, require_ray, resolve_nodes
 from hsdump._run.worker import STOP_GRACE_S
+from hsdump._store.backend import part_released
 from hsdump._types import Sample
 
 __all__ = ["run_ray_extraction"]
@@ -68,22 +76,42 @@ class _Actor:
     dead: bool = False
 
 
+@dataclass(frozen=True)
+class _Batches:
+    """How the driver hands out work: the most tokens per batch, and how long a dead actor's
+    part lock may take to be released."""
+
+    tokens: int
+    writer_grace_s: float
+
+
 class _RayRun:
-    def __init__(self, ray: Any, specs: list[ActorSpec], nodes: list[str], todo: list[Sample],
-                 **options: Any):  # fmt: skip
+    def __init__(
+        self,
+        ray: Any,
+        specs: list[ActorSpec],
+        nodes: list[str],
+        todo: list[Sample],
+        options: RunOptions,
+        *,
+        summary: ExtractionSummary,
+        log: FailureLog,
+        store: str,
+        batches: _Batches,
+    ):
         self.ray, self.specs, self.nodes = ray, specs, nodes
         self.remote = ray.remote(max_restarts=0, num_cpus=1)(ExtractionActor)
         self.pending: deque[Sample] = deque(todo)
-        self.summary: ExtractionSummary = options["summary"]
-        self.log: _FailureLog = options["log"]
-        self.lines: Mapping[str, int] = options["line_numbers"] or {}
-        self.progress: ProgressCallback | None = options["progress"]
-        self.store: str = options["store"]
-        self.fail_fast: bool = options["fail_fast"]
+        self.summary = summary
+        self.log = log
+        self.lines = options.line_numbers
+        self.progress = options.progress
+        self.store = store
+        self.fail_fast = options.fail_fast
         # Smaller batches for a small dataset, so that every actor gets a share of it.
         share = -(-self.summary.tokens_total // (len(specs) * _CREDIT * 4))
-        self.batch_tokens: int = max(1, min(options["batch_tokens"], share))
-        self.grace_s: float = options["writer_grace_s"]
+        self.batch_tokens: int = max(1, min(batches.tokens, share))
+        self.grace_s: float = batches.writer_grace_s
         self.calls: dict[Any, tuple[_Actor, str]] = {}
         self.actors: list[_Actor] = []
         self.closed: dict[str, Any] = {name: 0 for name in (*_ADDITIVE, *_TOTALS)}
@@ -230,7 +258,7 @@ class _RayRun:
 
     def _resolve(self, actor: _Actor, leased: list[Sample]) -> None:
         """Count what the dead actor committed; the rest goes back to the queue."""
-        if actor.writer_id and not writer_gone(self.store, actor.writer_id, self.grace_s):
+        if actor.writer_id and not part_released(self.store, actor.writer_id, self.grace_s):
             logger.warning(
                 "part %s of %s is still locked %.0f s after its actor died: %d samples are left "
                 "for a rerun, so that none is committed twice",
@@ -360,15 +388,9 @@ def run_ray_extraction(
     store: str | os.PathLike[str],
     address: str | None = None,
     writer_id: str | None = None,
-    concurrency: int = 1,
-    retries: int = 3,
-    fail_fast: bool = False,
     batch_tokens: int = 32768,
     writer_grace_s: float = 120.0,
-    failures_path: str | os.PathLike[str] | None = None,
-    progress: ProgressCallback | None = None,
-    line_numbers: Mapping[str, int] | None = None,
-    prior_failures: Sequence[Failure] = (),
+    options: RunOptions | None = None,
     client_options: Mapping[str, Any] | None = None,
     store_options: Mapping[str, Any] | None = None,
 ) -> ExtractionSummary:
@@ -392,18 +414,13 @@ def run_ray_extraction(
             Ignored when Ray is already initialised in this process.
         writer_id: Prefix of the actors' parts (``<writer_id>-s<server>-a<n>``; default
             ``ray``), so that several runs into one store write distinct parts.
-        concurrency: Requests at each server at once.
-        retries: Retries of a sample after a transient failure.
-        fail_fast: Stop at the first failure.
         batch_tokens: The most tokens per batch handed to an actor (at least one sample;
             fewer when the dataset is small, so that every actor gets a share); each batch
             ends with a commit.
         writer_grace_s: How long to wait for a dead actor's part lock to be released before its
             uncommitted samples are redone (after that they are left for a rerun).
-        failures_path: The JSONL failures file, rewritten by each run; none when None.
-        progress: Called with the live summary (at most every 0.1 s).
-        line_numbers: Dataset line of each sample id, for the failures file.
-        prior_failures: Failures found before the run (bad dataset lines), recorded first.
+        options: Concurrency (requests at each server at once), retries, the failures file,
+            progress (at most every 0.1 s); `RunOptions`' defaults when None.
         client_options: Further `HiddenStateClient` arguments (timeouts...).
         store_options: Further `open_store` arguments (``shard_tokens``...).
 
@@ -416,37 +433,43 @@ def run_ray_extraction(
         WorkerError: Every actor died or could not open its client or store.
         KeyboardInterrupt: Ctrl-C or SIGTERM, once the actors have committed what they wrote.
     """
-    if concurrency < 1 or retries < 0 or batch_tokens < 1 or not servers:
+    options = options or RunOptions()
+    if batch_tokens < 1 or not servers:
         raise ConfigError(
-            f"servers must be non-empty, concurrency and batch_tokens >= 1 and retries >= 0, "
-            f"got {len(servers)} servers, {concurrency}, {batch_tokens}, {retries}"
+            f"servers must be non-empty and batch_tokens >= 1, got {len(servers)} servers, "
+            f"{batch_tokens}"
         )
     ray = require_ray()
-    summary = ExtractionSummary(failures=list(prior_failures), workers=len(servers))
+    summary = ExtractionSummary(failures=list(options.prior_failures), workers=len(servers))
     path = _absolute(store)
-    todo = _plan(samples, path, summary, line_numbers or {})
-    planned = summary.failures[len(prior_failures) :]
+    todo = plan_samples(samples, path, summary, options.line_numbers)
+    planned = summary.failures[len(options.prior_failures) :]
     specs = [
         ActorSpec(
             server=j, url=url, dump_dir=None if root is None else os.fspath(root), store=path,
-            part=f"{writer_id or 'ray'}-s{j}", attempt=0, concurrency=concurrency,
-            retries=retries, fail_fast=fail_fast, client_options=dict(client_options or {}),
-            store_options=dict(store_options or {}),
+            part=f"{writer_id or 'ray'}-s{j}", attempt=0, concurrency=options.concurrency,
+            retries=options.retries, fail_fast=options.fail_fast,
+            client_options=dict(client_options or {}), store_options=dict(store_options or {}),
         )
         for j, (url, root, _) in enumerate(servers)
     ]  # fmt: skip
-    failures = Path(failures_path) if failures_path is not None else None
-    with _FailureLog(failures) as log, _sigterm_as_interrupt():
-        for failure in [*prior_failures, *planned]:
+    with options.failure_log() as log, sigterm_as_interrupt():
+        for failure in planned:
             log.record(failure)
-        if todo and not (fail_fast and summary.failures):
+        if todo and not (options.fail_fast and summary.failures):
             with connected(ray, address):
                 nodes = resolve_nodes(ray, servers)
                 runner = _RayRun(
-                    ray, specs, nodes, todo, summary=summary, log=log, line_numbers=line_numbers,
-                    progress=progress, store=path, fail_fast=fail_fast, batch_tokens=batch_tokens,
-                    writer_grace_s=writer_grace_s,
-                )  # fmt: skip
+                    ray,
+                    specs,
+                    nodes,
+                    todo,
+                    options,
+                    summary=summary,
+                    log=log,
+                    store=path,
+                    batches=_Batches(batch_tokens, writer_grace_s),
+                )
                 try:
                     runner.run()
                 except ray.exceptions.RayError as exc:

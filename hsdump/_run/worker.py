@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import logging
 import math
 import multiprocessing
@@ -24,9 +25,10 @@ import anyio.to_thread
 from anyio.abc import TaskGroup
 
 from hsdump._client.sending import ServerAnswer
-from hsdump._cores import ENV_CORES
+from hsdump._cores import EXTRACTION_SWITCH_INTERVAL_S
 from hsdump._exceptions import HsdumpError, ServerTimeout, ServerUnavailable
-from hsdump._run.pipeline import ExtractionSummary, ExtractorSpec, run_extraction
+from hsdump._run.common import ExtractionSummary, ExtractorSpec
+from hsdump._run.pipeline import run_extraction
 from hsdump._types import Sample
 
 __all__ = ["COUNTERS", "STOP_GRACE_S", "WorkerSpec", "worker_main"]
@@ -106,19 +108,14 @@ def worker_main(spec: WorkerSpec, conn: Any) -> None:
     """A worker process: extract what the parent sends until it says end (or stop)."""
     _die_with_parent(spec.parent_pid)
     _locks_leave_nothing_in_shm()
-    if spec.cores:
-        os.environ[ENV_CORES] = str(spec.cores)  # before any pool is sized
+    # This process is hsdump's own: its placement threads wait up to one switch interval for the
+    # interpreter lock after each numpy call (docs/performance.md, "switch interval").
+    sys.setswitchinterval(EXTRACTION_SWITCH_INTERVAL_S)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates a stop
     try:
-        lost = anyio.run(_worker, spec, conn)
+        anyio.run(_worker, spec, conn)
     finally:
         conn.close()
-    if lost:
-        # The parent sees a worker that died: it redoes its samples and restarts it. The run has
-        # ended (client closed, dumps removed); only the inbox thread, blocked reading the pipe
-        # the parent keeps open, is left, and it would hold a normal exit forever.
-        sys.stderr.flush()
-        os._exit(1)
 
 
 def _locks_leave_nothing_in_shm() -> None:
@@ -141,64 +138,47 @@ def _die_with_parent(parent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)  # the parent died before prctl took effect
 
 
-async def _worker(spec: WorkerSpec, conn: Any) -> bool:
-    """The inbox runs from the start: opening the client already asks the gate (its probe).
-
-    Returns True when the store process was lost: the worker then exits as one that died.
-    """
-    from hsdump._store.remote import StoreProcessLost
-
-    reporter, lost = _Reporter(conn), False
+async def _worker(spec: WorkerSpec, conn: Any) -> None:
+    """The inbox runs from the start: opening the client already asks the gate (its probe)."""
+    reporter = _Reporter(conn)
     async with anyio.create_task_group() as group:
         inbox = _Inbox(conn, _ParentSender(conn), group)
         group.start_soon(inbox.run)
         group.start_soon(inbox.stop_on_sigterm)
         try:
             await _extract(spec, inbox, reporter)
-        except StoreProcessLost as exc:
-            logger.error("worker %s: %s", spec.writer_id, exc)
-            lost = True
         except HsdumpError as exc:
             conn.send(("fatal", type(exc).__name__, str(exc)))
         finally:
-            if not lost:
-                reporter.final()
+            reporter.final()
             group.cancel_scope.cancel()
-    return lost
 
 
 async def _extract(spec: WorkerSpec, inbox: _Inbox, reporter: _Reporter) -> None:
     from hsdump._client.client import HiddenStateClient
-    from hsdump._settings import settings
-    from hsdump._store.remote import RemoteStore
+    from hsdump._store.options import StoreOptions
     from hsdump._store.store import open_store
 
-    # A store process starts first: it imports its dependencies while the client opens.
-    remote = RemoteStore(spec.store, writer_id=spec.writer_id, **spec.store_options) if (
-        settings().store_process
-    ) else None  # fmt: skip
-    try:
-        client = HiddenStateClient(
-            spec.url,
-            dump_dir=spec.dump_dir,
-            max_in_flight=spec.concurrency,
-            gate=_OpenGate(),
-            sender=inbox.sender,
-            **spec.client_options,
-        )
-        async with client:
-            options = spec.store_options
-            with remote or open_store(
-                spec.store, "a", writer_id=spec.writer_id, **options
-            ) as store:
-                inbox.conn.send(("ready",))
-                await run_extraction(
-                    inbox.receive, client=client, store=store, retries=spec.retries,
-                    concurrency=spec.concurrency, fail_fast=spec.fail_fast, progress=reporter,
-                )  # fmt: skip
-    finally:
-        if remote is not None:
-            remote.close()  # also when the client never opened: the process ends
+    share = spec.cores or None  # this worker's share of the host's cores
+    client = HiddenStateClient(
+        spec.url,
+        dump_dir=spec.dump_dir,
+        max_in_flight=spec.concurrency,
+        gate=_OpenGate(),
+        sender=inbox.sender,
+        cores=share,
+        **spec.client_options,
+    )
+    store_options = dict(spec.store_options)
+    given = store_options.pop("options", None) or StoreOptions()
+    options = dataclasses.replace(given, cores=given.cores or share)
+    async with client:
+        with open_store(
+            spec.store, "a", writer_id=spec.writer_id, options=options, **store_options
+        ) as store:
+            inbox.conn.send(("ready",))
+            run = dataclasses.replace(spec.run_options(), progress=reporter)
+            await run_extraction(inbox.receive, client=client, store=store, options=run)
 
 
 class _Inbox:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -15,6 +16,7 @@ from hsdump._exceptions import (
     NotAStoreError,
     PartLockedError,
     StoreCorruptedError,
+    StoreError,
     StoreExistsError,
     StoreIOError,
     StoreNotFoundError,
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "LAYOUT_KEY",
     "LOCK_DIR_SUFFIX",
+    "PART_PREFIX",
     "ROOT_KEY",
     "PartLock",
     "check_tensors",
@@ -51,6 +54,7 @@ __all__ = [
     "moments_of",
     "open_root",
     "os_error",
+    "part_released",
 ]
 
 Mode = Literal["r", "a", "w"]
@@ -73,6 +77,8 @@ LAYOUT = (
 # Writer locks live beside the store, in ``<store>.hsdump-locks/<part>.lock``: zarr's tree walk
 # warns about every file inside the store that is not zarr's, directories included.
 LOCK_DIR_SUFFIX = ".hsdump-locks"
+#: A writer's part is the group ``part-<writer_id>`` of the store.
+PART_PREFIX = "part-"
 _LEGACY_LOCK_FILE = ".hsdump-writer.lock"  # inside the part, before the locks moved out
 
 
@@ -302,17 +308,26 @@ class _FileLock:
         self._fds = []
 
 
-def lock_part(root: zarr.Group, name: str, where: str, writer_id: str = "") -> PartLock:
+def lock_part(
+    root: zarr.Group, name: str, where: str, writer_id: str = "", *, ttl_s: float | None = None
+) -> PartLock:
     """Hold the part exclusively while it is open: a file lock beside a local store, a lease
     object beside an S3 store (`hsdump._store.lease`), nothing for other stores.
 
     Raises:
         PartLockedError: Another live writer holds the part.
     """
-    if s3_location(root.store) is not None:
+    location = s3_location(root.store)
+    if location is not None:
         from hsdump._store.lease import Lease
 
-        return Lease.acquire(root.store, name, writer_id or name, where)
+        if not location.prefix:
+            raise StoreError(
+                f"{where} is a whole bucket: a writer keeps its lease beside the store, so give "
+                f"the store a prefix (s3://{location.bucket}/<name>.zarr)"
+            )
+        key = f"{location.bucket}/{location.prefix}{LOCK_DIR_SUFFIX}/{name}.lease"
+        return Lease.acquire(root.store, name, writer_id or name, where, key=key, ttl_s=ttl_s)
     return _FileLock(_lock_local(root, name, where))
 
 
@@ -336,6 +351,32 @@ def _lock_local(root: zarr.Group, name: str, where: str) -> list[int]:
         legacy.unlink(missing_ok=True)  # kept locked until release, so zarr's walk stays clean
         fds.append(old)
     return fds
+
+
+def part_released(store: str, writer_id: str, timeout: float) -> bool:
+    """Whether the lock of ``writer_id``'s part of the local store at ``store`` is free within
+    ``timeout`` seconds (its writer's process is gone). True at once for object storage, whose
+    parts are leased, and for a part that never opened."""
+    if "://" in store:
+        return True
+    root = Path(store).resolve()
+    lock = root.parent / f"{root.name}{LOCK_DIR_SUFFIX}" / f"{PART_PREFIX}{writer_id}.lock"
+    try:
+        fd = os.open(lock, os.O_RDWR)
+    except FileNotFoundError:
+        return True
+    freed = threading.Event()
+
+    def take() -> None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # blocks until the dead writer's lock is released
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+        freed.set()
+
+    threading.Thread(target=take, name=f"hsdump-fence-{writer_id}", daemon=True).start()
+    return freed.wait(timeout)
 
 
 def _flock(path: Path, name: str, where: str, *, create: bool) -> int | None:

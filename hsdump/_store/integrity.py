@@ -18,20 +18,19 @@ import hashlib
 import json
 import struct
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict
 from zlib_ng.zlib_ng import crc32
 
 from hsdump._exceptions import StoreCorruptedError
-
-if TYPE_CHECKING:
-    from hsdump._store.part import IndexChecksum
 
 __all__ = [
     "COMMITTED_SAMPLES_KEY",
     "COMMITTED_TOKENS_KEY",
     "STATE_CRC_KEY",
+    "IndexChecksum",
     "committed_counts",
     "crc32",
     "damaged",
@@ -43,6 +42,17 @@ __all__ = [
     "stored_token_digest",
     "token_digest",
 ]
+
+
+class IndexChecksum(BaseModel):
+    """Running CRC-32s of a part's committed index entries, in order."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rows: int
+    sample_ids: int
+    tokens: int
+
 
 STATE_CRC_KEY = "hsdump_part_crc32"
 # Copies of the state's counters for readers that know only zarr; written with the state.
@@ -97,8 +107,6 @@ def extend_index_checksum(
     base: IndexChecksum | None, rows: np.ndarray, sample_ids: Sequence[str], tokens: np.ndarray
 ) -> IndexChecksum:
     """``base`` extended by index entries appended after the ones it covers."""
-    from hsdump._store.part import IndexChecksum
-
     start = base or IndexChecksum(rows=0, sample_ids=0, tokens=0)
     # Each id is its JSON string and a comma: the concatenation is the same however the ids were
     # split into commits, and json.dumps encodes a whole list in C.

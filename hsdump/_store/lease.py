@@ -41,7 +41,7 @@ from hsdump._exceptions import (
 )
 from hsdump._settings import settings
 from hsdump._store import zarr_adapter
-from hsdump._store.objstore import call_s3, dependency_error, error_code, s3_location
+from hsdump._store.objstore import call_s3, dependency_error, error_code
 
 __all__ = ["DEFAULT_TTL_S", "Lease", "LeaseHolder", "lease_ttl"]
 
@@ -130,29 +130,22 @@ class Lease:
         self._thread = threading.Thread(target=self._renew_loop, name="hsdump-lease", daemon=True)
 
     @classmethod
-    def acquire(cls, store: Any, part: str, writer_id: str, where: str) -> Lease:
-        """Take the lease of ``part`` of the S3 store ``store``, or refuse.
+    def acquire(
+        cls, store: Any, part: str, writer_id: str, where: str, *, key: str, ttl_s: float | None
+    ) -> Lease:
+        """Take the lease of ``part`` of the S3 store ``store``, kept at ``key`` (``bucket/...``),
+        living ``ttl_s`` without renewal (None: ``HSDUMP_LEASE_TTL_S``, else 60); or refuse.
 
         Raises:
             PartLockedError: A live writer holds it (the message names the lease, its holder and
                 age, and what to do).
             StoreIOError: S3 failed.
         """
-        location = s3_location(store)
-        assert location is not None
-        if not location.prefix:
-            raise StoreError(
-                f"{where} is a whole bucket: a writer keeps its lease beside the store, so give "
-                f"the store a prefix (s3://{location.bucket}/<name>.zarr)"
-            )
-        from hsdump._store.backend import LOCK_DIR_SUFFIX
-
-        key = f"{location.bucket}/{location.prefix}{LOCK_DIR_SUFFIX}/{part}.lease"
         url = f"s3://{key}"
         start = _start_time(os.getpid())
         holder = LeaseHolder(
             owner=secrets.token_hex(16), writer_id=writer_id, host=socket.gethostname(),
-            machine=_machine(), pid=os.getpid(), pid_start=start, ttl_s=lease_ttl(),
+            machine=_machine(), pid=os.getpid(), pid_start=start, ttl_s=ttl_s or lease_ttl(),
             acquired_at=datetime.now(UTC).isoformat(timespec="seconds"),
         )  # fmt: skip
         lease = cls(store, key, url, holder, "")

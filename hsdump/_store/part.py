@@ -37,14 +37,13 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from hsdump._cores import cores
 from hsdump._exceptions import DumpValidationError
-from hsdump._settings import settings
 from hsdump._store import zarr_adapter
 from hsdump._store.codecs import bits_dtype, hidden_compressors, small_compressors
 from hsdump._store.integrity import (
     COMMITTED_SAMPLES_KEY,
     STATE_CRC_KEY,
+    IndexChecksum,
     committed_counts,
     damaged,
     extend_index_checksum,
@@ -53,6 +52,7 @@ from hsdump._store.integrity import (
     state_crc,
     stored_token_digest,
 )
+from hsdump._store.options import StoreOptions
 from hsdump._store.provenance import Provenance
 from hsdump._store.shardbuf import Piece, Placed, ShardBuffer, ValueCheck, place_sample
 from hsdump._store.shardio import FlatChunks, ShardIO, codec_pool
@@ -63,8 +63,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "INDEX_COLUMNS",
-    "PART_PREFIX",
-    "IndexChecksum",
     "PartIndex",
     "PartLayout",
     "PartState",
@@ -75,7 +73,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PART_PREFIX = "part-"
 STATE_KEY = "hsdump_part"
 _SHARDS_PER_GROW = 64  # capacity grows a fixed step, so few metadata rewrites and few stray shards
 _IDS_CHUNK_SHARDS = 16
@@ -98,14 +95,6 @@ class PartLayout(_Frozen):
     chunk_tokens: int
     shard_tokens: int
     compression: str
-
-
-class IndexChecksum(_Frozen):
-    """Running CRC-32s of a part's committed index entries, in order (hsdump._store.integrity)."""
-
-    rows: int
-    sample_ids: int
-    tokens: int
 
 
 class PartState(_Frozen):
@@ -221,18 +210,6 @@ class Refused:
     error: DumpValidationError
 
 
-def shard_writers() -> int:
-    """Full shards written at once: ``HSDUMP_SHARD_WRITERS``, else one per two cores, 2 to 8.
-
-    Encoding a shard runs on the codec pool, but writing it is serial, and a sample waits for
-    the oldest shard in flight. One process storing H=7168 samples on an H200 host
-    (``tests/gpu/store_probe.py``): on 16 cores 4 writers 28.0k tok/s, 8 33.6k, 16 29.9k; on 8
-    cores 4 writers 21.7k, 8 18.9k. With one writer (2 cores) the pool idled while each shard was
-    written. Each one holds a shard buffer in RAM (235 MB at H=7168).
-    """
-    return settings().shard_writers or max(2, min(8, cores() // 2))
-
-
 class PartWriter:
     """Appends samples to one part. Not thread-safe: the store serialises calls."""
 
@@ -244,8 +221,19 @@ class PartWriter:
         on_commit: Any,
         where: str,
         guard: Callable[[], None] | None = None,
+        options: StoreOptions,
     ) -> None:
+        """``options`` are resolved (`StoreOptions.resolved`): every field is set.
+
+        Full shards are written ``options.shard_writers`` at once. Encoding a shard runs on the
+        codec pool, but writing it is serial, and a sample waits for the oldest shard in flight:
+        one process storing H=7168 samples on the 16-core GPU host stored 28.0k tok/s with 4
+        writers, 33.6k with 8 and 29.9k with 16; with one writer (2 cores) the pool idled while
+        each shard was written. Each one holds a shard buffer in RAM (235 MB at H=7168).
+        """
+        assert options.shard_writers is not None and options.commit_interval_s is not None
         self.group = group
+        self._cores = options.cores
         self._guard = guard
         self.index = index
         self._where = where
@@ -262,13 +250,12 @@ class PartWriter:
         self._inflight: collections.deque[tuple[int, Future[int], ShardBuffer]] = (
             collections.deque()
         )
-        self._max_inflight = shard_writers()
+        self._max_inflight = options.shard_writers
         self._small_chunks = threading.Lock()
         self._last_commit = 0.0
-        # Seconds between commits while writing (HSDUMP_COMMIT_INTERVAL_S, 1 s). Each commit costs
-        # ~7 ms of zarr work (mostly holding the GIL); once per shard, it was a third of the
-        # writer thread's time on 16 cores.
-        self._commit_interval = settings().commit_interval_s
+        # Each commit costs ~7 ms of zarr work (mostly holding the GIL); once per shard, it was a
+        # third of the writer thread's time on 16 cores.
+        self._commit_interval = options.commit_interval_s
         self._flusher = ThreadPoolExecutor(
             max_workers=self._max_inflight, thread_name_prefix="hsdump-shard-writer"
         )
@@ -313,7 +300,9 @@ class PartWriter:
         """
         offset, length = self._next, aux.shape[0]
         pieces, full = self._reserve(length, ids, mask)
-        placed = codec_pool().submit(place_sample, pieces, aux, final, ids, mask, stats, check)
+        placed = codec_pool(self._cores).submit(
+            place_sample, pieces, aux, final, ids, mask, stats, check
+        )
         for piece in pieces:  # one piece per shard: a sample's pieces are consecutive shards
             piece.shard.placing.append(placed)
         for shard in full:
@@ -363,7 +352,7 @@ class PartWriter:
 
     def _open_shard(self, cur: int) -> ShardBuffer:
         # A sample that straddles a shard boundary opens the next buffer before the full one is
-        # handed to the writers: at most shard_writers() + 2 buffers exist (filling, full, being
+        # handed to the writers: at most shard_writers + 2 buffers exist (filling, full, being
         # written).
         if self._open is None:
             layout = self._layout
@@ -399,7 +388,7 @@ class PartWriter:
 
     def _flush_shard(self, shard: ShardBuffer, *, full: bool) -> None:
         # Full shards are written in the background while the next ones fill, up to
-        # ``shard_writers()`` at once; a partial shard (flush/close) is written before returning.
+        # ``shard_writers`` at once; a partial shard (flush/close) is written before returning.
         self._wait_inflight(keep=self._max_inflight - 1 if full else 0)
         end = shard.start + self._layout.shard_tokens if full else self._next
         self._ensure_capacity(end)

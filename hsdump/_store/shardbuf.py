@@ -19,7 +19,6 @@ import numpy as np
 from hsdump._exceptions import DumpValidationError
 from hsdump._protocol import value_error
 from hsdump._store.integrity import crc32
-from hsdump._store.sources import RowSource, row_source
 from hsdump._store.stats import BLOCK_ROWS, LayerStats, RowStats
 
 __all__ = ["Piece", "Placed", "ShardBuffer", "ValueCheck", "place_sample"]
@@ -96,15 +95,6 @@ class ValueCheck:
             peaks[:, :k], spec, name="aux_hidden_states", sample_id=sample_id, rid=rid
         ) or value_error(peaks[:, k], spec, name="final_hidden_state", sample_id=sample_id, rid=rid)
 
-    def unreadable(self, exc: OSError) -> DumpValidationError:
-        """Why a dump whose file could not be read to the end is refused."""
-        return DumpValidationError(
-            f"the dump's files could not be read to the end: {exc} (did something cut them short "
-            "after they were checked?); the sample is not stored, and a rerun extracts it again",
-            sample_id=self.sample_id,
-            rid=self.rid,
-        )
-
 
 def place_sample(
     pieces: list[Piece],
@@ -117,26 +107,14 @@ def place_sample(
 ) -> Placed:
     """Copy a sample's aux and final rows into its pieces, with its checksum and statistics.
 
-    One pass in blocks of `BLOCK_ROWS` rows: each block is copied (from the dump file under an
-    unchecked sample's mapping: `hsdump._store.sources`), then checksummed and accounted in
-    ``stats`` while it is in cache (three passes over memory were the store's largest cost after
-    the codec). The checksum is zlib's CRC-32 of the stored rows in order, then the token ids,
-    then the mask if any. With ``check``, values that fail it
-    are refused: the rows are zeroed (no bytes of the sample stay in the shard) and
-    ``Placed.refused`` says why; so is a sample whose dump file was cut short under the store.
+    One pass in blocks of `BLOCK_ROWS` rows: each block is copied, then checksummed and accounted
+    in ``stats`` while it is in cache (three passes over memory were the store's largest cost
+    after the codec). The checksum is zlib's CRC-32 of the stored rows in order, then the token
+    ids, then the mask if any. With ``check``, values that fail it are refused: the rows are
+    zeroed (no bytes of the sample stay in the shard) and ``Placed.refused`` says why.
     """
-    # Only a sample handed over unchecked may be read from its dump file: ingest left its mapping
-    # unpopulated (`hsdump._store.sources`), and only such a read fails with an OSError.
-    unchecked = check is not None
-    sources = row_source(aux, from_file=unchecked), row_source(final, from_file=unchecked)
-    refused: DumpValidationError | None = None
-    try:
-        crc = _copy_rows(pieces, *sources, aux.shape[1], stats)
-    except OSError as exc:  # a dump file cut short under the store
-        assert check is not None
-        crc, refused = 0, check.unreadable(exc)
-    else:
-        refused = None if check is None else check.error(stats)
+    crc = _copy_rows(pieces, aux, final, aux.shape[1], stats)
+    refused = None if check is None else check.error(stats)
     if refused is not None:
         for p in pieces:
             p.shard.rows[p.row : p.row + p.take] = 0
@@ -148,7 +126,7 @@ def place_sample(
 
 
 def _copy_rows(
-    pieces: list[Piece], aux: RowSource, final: RowSource, k: int, stats: RowStats
+    pieces: list[Piece], aux: np.ndarray, final: np.ndarray, k: int, stats: RowStats
 ) -> int:
     """Copy each block of rows in, then checksum and account it while it is in cache."""
     crc = 0
@@ -156,8 +134,8 @@ def _copy_rows(
         for lo in range(0, p.take, BLOCK_ROWS):
             n = min(BLOCK_ROWS, p.take - lo)
             rows = p.shard.rows[p.row + lo : p.row + lo + n]
-            aux.copy(p.pos + lo, rows[:, :k])
-            final.copy(p.pos + lo, rows[:, k])
+            rows[:, :k] = aux[p.pos + lo : p.pos + lo + n]
+            rows[:, k] = final[p.pos + lo : p.pos + lo + n]
             crc = crc32(rows.data, crc)
             stats.add(rows)
     return crc

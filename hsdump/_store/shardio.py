@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import functools
 import os
+import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
@@ -55,32 +56,47 @@ class ChunkDecodeError(ValueError):
 DAMAGED = (ChunkDecodeError, ShardIndexError)
 
 
-@cache
-def codec_pool() -> ThreadPoolExecutor:
-    """The process-wide pool for codec and statistics work (one thread per core it may use),
-    made on first use; `shutdown_codec_pool` stops it, also at interpreter exit."""
-    import numcodecs.blosc
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
-    # Without this, Blosc on a thread other than the main one may take its global context and
-    # lock: the pool's encodes then ran one at a time (1.0 core busy on 2 threads).
-    numcodecs.blosc.use_threads = False
-    _hook_process()
-    return ThreadPoolExecutor(max_workers=max(2, cores()), thread_name_prefix="hsdump-codec")
+
+def codec_pool(configured_cores: int | None = None) -> ThreadPoolExecutor:
+    """The process-wide pool for codec and statistics work, made on first use with one thread
+    per core (``configured_cores``, else `hsdump._cores.cores`); `shutdown_codec_pool` stops it,
+    also at interpreter exit."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            import numcodecs.blosc
+
+            # Without this, Blosc on a thread other than the main one may take its global context
+            # and lock: the pool's encodes then ran one at a time (1.0 core busy on 2 threads).
+            numcodecs.blosc.use_threads = False
+            _hook_process()
+            threads = max(2, cores(configured_cores))
+            _pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hsdump-codec")
+        return _pool
+
+
+def _forget_pool() -> None:
+    global _pool
+    _pool = None
 
 
 @cache
 def _hook_process() -> None:
     """Once, when the first pool is made: nothing is registered at import."""
     # A forked child (a DataLoader worker) inherits the pool object but not its threads.
-    os.register_at_fork(after_in_child=codec_pool.cache_clear)
+    os.register_at_fork(after_in_child=_forget_pool)
     atexit.register(shutdown_codec_pool)
 
 
 def shutdown_codec_pool() -> None:
     """Stop the codec pool's threads once its work is done; the next use makes a new pool."""
-    if codec_pool.cache_info().currsize:
-        pool = codec_pool()
-        codec_pool.cache_clear()
+    global _pool
+    with _pool_lock:
+        pool, _pool = _pool, None
+    if pool is not None:
         pool.shutdown(wait=True)
 
 

@@ -34,6 +34,7 @@ from hsdump._exceptions import (
 )
 from hsdump._protocol import dtype_spec
 from hsdump._store.backend import (
+    PART_PREFIX,
     Mode,
     PartLock,
     check_tensors,
@@ -60,8 +61,8 @@ from hsdump._store.integrity import (
     state_attributes,
 )
 from hsdump._store.objstore import abort_uploads, dependency_error
+from hsdump._store.options import StoreOptions
 from hsdump._store.part import (
-    PART_PREFIX,
     STATE_KEY,
     PartIndex,
     PartLayout,
@@ -100,6 +101,7 @@ def open_store(
     chunk_tokens: int | None = None,
     verify_reads: bool = False,
     storage_options: Mapping[str, Any] | None = None,
+    options: StoreOptions | None = None,
 ) -> HiddenStateStore:
     """Open (or create) a hidden-state store.
 
@@ -119,6 +121,8 @@ def open_store(
         storage_options: For ``s3://`` URLs: s3fs options (``endpoint_url``, ``profile``,
             ``key``/``secret``, ``client_kwargs``...); credentials and the endpoint otherwise
             come from the AWS environment variables and config files. Never logged.
+        options: How a writer commits, and the threads it uses (`StoreOptions`); each field
+            left None falls back to its ``HSDUMP_*`` variable, then to its default.
 
     Returns:
         The open store; close it (or use it as a context manager) to commit buffered samples.
@@ -140,6 +144,7 @@ def open_store(
             f"shard_tokens and chunk_tokens must be positive, got {shard_tokens}, {chunk_tokens}"
         )
     hidden_compressors(compression, 2)  # refuses an unknown codec now, not at the first write
+    resolved = (options or StoreOptions()).resolved()
     root = open_root(path, mode, storage_options)
     return HiddenStateStore(
         root,
@@ -150,6 +155,7 @@ def open_store(
         chunk_tokens=chunk_tokens,
         verify_reads=verify_reads,
         where=describe(path),
+        options=resolved,
     )
 
 
@@ -186,8 +192,10 @@ class HiddenStateStore:
         chunk_tokens: int | None,
         verify_reads: bool,
         where: str,
+        options: StoreOptions,
     ) -> None:
         self._root = root
+        self._options = options
         self._mode = mode
         self.where = where
         self.writer_id = None if mode == "r" else writer_id
@@ -281,7 +289,8 @@ class HiddenStateStore:
         name = PART_PREFIX + writer_id
         try:
             group = self._root.require_group(name)
-            self._part_lock = lock_part(self._root, name, self.where, writer_id)
+            ttl_s = self._options.lease_ttl_s
+            self._part_lock = lock_part(self._root, name, self.where, writer_id, ttl_s=ttl_s)
             writer = self._resume_part(group, name, writer_id, self._part_lock)
         except BaseException:
             if self._part_lock is not None:
@@ -302,7 +311,12 @@ class HiddenStateStore:
             if COMMITTED_SAMPLES_KEY not in group.attrs:  # last committed before they existed
                 group.update_attributes(committed_counts(index.state.model_dump()))
             return PartWriter(
-                group, index, on_commit=self._on_commit, where=self.where, guard=lock.check
+                group,
+                index,
+                on_commit=self._on_commit,
+                where=self.where,
+                guard=lock.check,
+                options=self._options,
             )
         except OSError as exc:
             raise os_error(exc, self.where) from exc

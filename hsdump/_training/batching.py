@@ -20,7 +20,7 @@ import numpy as np
 from torch.utils.data import Sampler
 
 from hsdump._exceptions import ConfigError, InputError
-from hsdump._run.dataset import HiddenStateDataset
+from hsdump._training.dataset import HiddenStateDataset
 
 if TYPE_CHECKING:
     import torch
