@@ -10,11 +10,28 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from hsdump._protocol import DEFAULT_RID_PREFIX, ENV_DUMP_DIR
+from hsdump._protocol import ENV_DUMP_DIR
 
-__all__ = ["PluginConfig", "default_write_threads", "dump_enabled", "load_config"]
+__all__ = [
+    "MIN_FREE_BYTES",
+    "PARTIAL_TTL_S",
+    "SPACE_TIMEOUT_S",
+    "PluginConfig",
+    "allow_untested_sglang",
+    "default_write_threads",
+    "dump_enabled",
+    "load_config",
+]
 
 _MIB = 1 << 20
+_ALLOW_UNTESTED = "HSDUMP_ALLOW_UNTESTED_SGLANG"
+
+#: Free space the dump root's filesystem keeps.
+MIN_FREE_BYTES = 1024 * _MIB
+#: How long a dump waits for room in the dump root before it is published as an error.
+SPACE_TIMEOUT_S = 600.0
+#: A partly assembled request not seen for this long is dropped (e.g. after an abort).
+PARTIAL_TTL_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -26,54 +43,36 @@ class PluginConfig:
         layer_ids: Aux layers to capture in the transformers convention (``HSDUMP_LAYER_IDS``,
             comma-separated; id ``i`` is the input of decoder layer ``i``), or None for the
             model's EAGLE-3 default.
-        rid_prefix: Only requests whose rid starts with this are dumped (``HSDUMP_RID_PREFIX``).
         pinned_bytes: Size of the pinned host staging buffer (``HSDUMP_PINNED_MB``, default 4096:
             one prefill batch of 8 prompts of 2048 tokens at H=7168 stages 940 MB).
         max_pending_bytes: Bound on bytes published but not yet consumed plus bytes being written
             (``HSDUMP_MAX_PENDING_MB``); the writer waits above it.
-        min_free_bytes: Free space the dump root's filesystem keeps (``HSDUMP_MIN_FREE_MB``).
-        space_timeout_s: How long a dump waits for space before it is published as an error
-            (``HSDUMP_SPACE_TIMEOUT_S``).
-        partial_ttl_s: A partly assembled request not seen for this long is dropped, e.g. after an
-            abort (``HSDUMP_PARTIAL_TTL_S``).
         write_threads: Threads that write one batch's rows into the dump files at once
             (``HSDUMP_WRITE_THREADS``; default: three quarters of the cores, 2 to 12). One thread
             writes tmpfs at ~2.5 GB/s, less than one H200 prefills at H=7168.
-        profile_s: Log the time the plugin spends per stage every this many seconds
-            (``HSDUMP_PROFILE_S``; unset: never).
-        mapped_writes: Fill the dump files through memory maps (``HSDUMP_MAPPED_WRITES``, default
-            1), so that several threads fill one file at once; 0: ``pwrite``, one thread per file
-            at a time, and no page faults or unmaps in the scheduler process.
-        gpu_staging_bytes: GPU memory for snapshots of rows whose copy to pinned memory runs on
-            a stream of its own, beside the next forward (``HSDUMP_GPU_STAGING_MB``, default
-            1024); 0 queues those copies on the forward's stream, which then waits for them.
-        row_moments: Take each vector's sum and sum of squares on the GPU and write them beside
-            the rows (``HSDUMP_ROW_MOMENTS``, default 1; the manifest announces them and the
-            client's store uses them instead of computing its statistics); 0: none.
-        switch_interval_s: The scheduler process's GIL switch interval
-            (``HSDUMP_SWITCH_INTERVAL_US``, default 500; Python's own is 5000): how long a
-            thread holds the GIL while another waits for it.
+        min_free_bytes: Free space the dump root's filesystem keeps (`MIN_FREE_BYTES`).
+        space_timeout_s: How long a dump waits for room (`SPACE_TIMEOUT_S`).
+        partial_ttl_s: When a partly assembled request is dropped (`PARTIAL_TTL_S`).
     """
 
     dump_dir: Path
     layer_ids: tuple[int, ...] | None = None
-    rid_prefix: str = DEFAULT_RID_PREFIX
     pinned_bytes: int = 4096 * _MIB
     max_pending_bytes: int = 16384 * _MIB
-    min_free_bytes: int = 1024 * _MIB
-    space_timeout_s: float = 600.0
-    partial_ttl_s: float = 600.0
     write_threads: int = 2
-    profile_s: float = 0.0
-    mapped_writes: bool = True
-    gpu_staging_bytes: int = 1024 * _MIB
-    row_moments: bool = True
-    switch_interval_s: float = 0.0005
+    min_free_bytes: int = MIN_FREE_BYTES
+    space_timeout_s: float = SPACE_TIMEOUT_S
+    partial_ttl_s: float = PARTIAL_TTL_S
 
 
 def dump_enabled() -> bool:
     """Whether ``HSDUMP_DUMP_DIR`` is set: the plugin does nothing otherwise."""
     return bool(os.environ.get(ENV_DUMP_DIR))
+
+
+def allow_untested_sglang() -> bool:
+    """Whether ``HSDUMP_ALLOW_UNTESTED_SGLANG`` asks to run on an SGLang release not checked."""
+    return os.environ.get(_ALLOW_UNTESTED, "") not in ("", "0")
 
 
 def load_config() -> PluginConfig:
@@ -84,18 +83,9 @@ def load_config() -> PluginConfig:
     return PluginConfig(
         dump_dir=Path(root),
         layer_ids=_layer_ids(os.environ.get("HSDUMP_LAYER_IDS", "")),
-        rid_prefix=os.environ.get("HSDUMP_RID_PREFIX") or DEFAULT_RID_PREFIX,
         pinned_bytes=_number("HSDUMP_PINNED_MB", 4096) * _MIB,
         max_pending_bytes=_number("HSDUMP_MAX_PENDING_MB", 16384) * _MIB,
-        min_free_bytes=_number("HSDUMP_MIN_FREE_MB", 1024) * _MIB,
-        space_timeout_s=float(_number("HSDUMP_SPACE_TIMEOUT_S", 600)),
-        partial_ttl_s=float(_number("HSDUMP_PARTIAL_TTL_S", 600)),
         write_threads=_number("HSDUMP_WRITE_THREADS", default_write_threads()),
-        profile_s=float(_number("HSDUMP_PROFILE_S", 0, allow_zero=True)),
-        mapped_writes=_switch("HSDUMP_MAPPED_WRITES", True),
-        gpu_staging_bytes=_number("HSDUMP_GPU_STAGING_MB", 1024, allow_zero=True) * _MIB,
-        row_moments=_switch("HSDUMP_ROW_MOMENTS", True),
-        switch_interval_s=_number("HSDUMP_SWITCH_INTERVAL_US", 500) / 1e6,
     )
 
 
@@ -123,16 +113,7 @@ def _layer_ids(text: str) -> tuple[int, ...] | None:
     return ids
 
 
-def _switch(name: str, default: bool) -> bool:
-    text = os.environ.get(name)
-    if not text:
-        return default
-    if text not in ("0", "1"):
-        raise ValueError(f"{name}={text!r} must be 1 (on) or 0 (off)")
-    return text == "1"
-
-
-def _number(name: str, default: int, *, allow_zero: bool = False) -> int:
+def _number(name: str, default: int) -> int:
     text = os.environ.get(name)
     if not text:
         return default
@@ -140,6 +121,6 @@ def _number(name: str, default: int, *, allow_zero: bool = False) -> int:
         value = int(text)
     except ValueError:
         raise ValueError(f"{name}={text!r} is not an integer") from None
-    if value < 0 or (value == 0 and not allow_zero):
+    if value <= 0:
         raise ValueError(f"{name}={text!r} must be positive")
     return value

@@ -43,17 +43,15 @@ class Dumper:
         self.config, self.fmt = config, fmt
         self.writer = WriterThread(config, fmt, release=self._release)
         self.ring = PinnedRing(config.pinned_bytes, pin=pin, alive=self.writer.alive)
-        self.planner = ChunkPlanner(config.rid_prefix)
+        self.planner = ChunkPlanner()
         self.stager = Stager(
             self.ring,
             num_layers=len(fmt.layer_ids),
             hidden_size=fmt.hidden_size,
             submit=self.writer.submit_rows,
-            side_bytes=config.gpu_staging_bytes,
-            moments=config.row_moments,
         )
         self._next_expiry = time.monotonic() + config.partial_ttl_s
-        self.clock = StageClock("scheduler", config.profile_s)
+        self.clock = StageClock("scheduler")
         self.writer.start()
 
     def on_forward(self, batch: Any, logits_output: Any) -> None:
@@ -83,15 +81,9 @@ class Dumper:
 
     def describe(self) -> str:
         """How this rank stages, for the start-up log line."""
-        how = "mapped" if self.config.mapped_writes else "pwrite"
-        side = self.config.gpu_staging_bytes >> 20
-        copies = (
-            f"copies on a side stream ({side} MB GPU)" if side else "copies on the forward's stream"
-        )
-        moments = "row moments on the GPU" if self.config.row_moments else "no row moments"
         return (
-            f"this rank writes, {self.ring.capacity >> 20} MB pinned, {copies}, "
-            f"{self.config.write_threads} write threads ({how}), {moments}"
+            f"this rank writes, {self.ring.capacity >> 20} MB pinned, "
+            f"{self.config.write_threads} write threads"
         )
 
     def close(self) -> None:

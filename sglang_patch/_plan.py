@@ -73,13 +73,14 @@ class ChunkPlanner:
     A request is open from its first chunk (which must start at token 0) until a chunk ends at
     token T; every chunk in between must start where the previous one ended.
 
+    Only requests that opted in (`hsdump._protocol.is_opted_in`: their rid carries the protocol's
+    prefix, which every hsdump client sends) are planned.
+
     Args:
-        rid_prefix: The opt-in prefix of request ids.
         clock: Monotonic time source (for expiring requests that stopped arriving).
     """
 
-    def __init__(self, rid_prefix: str, *, clock: Callable[[], float] = time.monotonic):
-        self.rid_prefix = rid_prefix
+    def __init__(self, *, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
         self._open: dict[str, _Open] = {}
 
@@ -117,7 +118,7 @@ class ChunkPlanner:
     def _wanted(self, req: Any) -> bool:
         # A request with output tokens is decoding (e.g. a decode batch turned into EXTEND by
         # DP attention): its rows are not prompt rows.
-        return is_opted_in(req.rid, self.rid_prefix) and len(req.output_ids) == 0
+        return is_opted_in(req.rid) and len(req.output_ids) == 0
 
     def _chunk(self, req: Any, row: int, n: int, start: int) -> Slice | tuple[str, str]:
         rid, total = req.rid, len(req.origin_input_ids)

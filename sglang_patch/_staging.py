@@ -2,11 +2,11 @@
 
 The forward's outputs may be views of a CUDA graph's output buffer that the next replay
 overwrites, so a piece's rows are first copied on the stream that ran the forward, right after it,
-into a snapshot of their own (device to device: ~0.3% of a prefill's time at H=7168). By default
-(`SideCopies`) the copy to pinned memory then runs on a stream of its own, beside the next forward:
-queued on the forward's stream, it held the GPU ~1 us a token (57 KB at 54 GB/s), 11% of an
-H200's prefill at 112k tokens/s. The scheduler thread blocks only when the ring (host memory) or
-the snapshots in flight (GPU memory) reach their bounds.
+into a snapshot of their own (device to device: ~0.3% of a prefill's time at H=7168). The copy to
+pinned memory then runs on a stream of its own, beside the next forward (`SideCopies`): queued on
+the forward's stream, it held the GPU ~1 us a token (57 KB at 54 GB/s), 11% of an H200's prefill
+at 112k tokens/s. The scheduler thread blocks only when the ring (host memory) or the snapshots in
+flight (GPU memory, `SNAPSHOT_BYTES`) reach their bounds.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "SNAPSHOT_BYTES",
     "Piece",
     "PinnedRing",
     "SideCopies",
@@ -31,6 +32,9 @@ __all__ = [
 ]
 
 _ALIGN = 64
+#: GPU memory for snapshots whose copies to pinned memory are in flight (1 GiB: the default
+#: 8192-token chunk at H=7168 with 3 aux layers is 470 MB).
+SNAPSHOT_BYTES = 1 << 30
 
 logger = logging.getLogger(__name__)
 
@@ -118,10 +122,9 @@ class Piece:
 
     ``aux`` and ``final`` are uint8 views of the staged bytes (row-major ``[n, K, H]`` and
     ``[n, H]``), ``moments`` one of the rows' float32 ``[n, K + 1, 2]`` (`vector_moments`; None
-    where the GPU had no memory for them or they are off: the writer computes them, or writes
-    none); ``moments_ready``, when set, is the event after which they are in place (they are taken
-    on a stream of their own, so the rows need not wait for them); ``block`` is returned to the
-    ring once they are written.
+    where the GPU had no memory for them: the writer computes them); ``moments_ready``, when
+    set, is the event after which they are in place (they are taken on a stream of their own, so
+    the rows need not wait for them); ``block`` is returned to the ring once they are written.
     """
 
     rid: str
@@ -169,14 +172,11 @@ class SideCopies:
         self._bytes = 0
         self._warned = False
 
-    def copy(
-        self, rows: torch.Tensor, dest: torch.Tensor, kh: int, moments: torch.Tensor | None
-    ) -> bool:
+    def copy(self, rows: torch.Tensor, dest: torch.Tensor, kh: int, moments: torch.Tensor) -> bool:
         """Queue the copy of ``rows`` ([n, (K+1)*H] on the GPU) into pinned ``dest`` (`stage_rows`'s
-        layout), and of their `vector_moments` into pinned ``moments`` (float32 ``[n, K+1, 2]``;
-        None: none are taken), taken on the moments' stream from the snapshot. Without GPU memory
-        for a snapshot, the copy runs on the forward's stream and no moments are taken; returns
-        whether they were."""
+        layout), and of their `vector_moments` into pinned ``moments`` (float32 ``[n, K+1, 2]``),
+        taken on the moments' stream from the snapshot. Without GPU memory for a snapshot, the
+        copy runs on the forward's stream and no moments are taken; returns whether they were."""
         forward = torch.cuda.current_stream(rows.device)
         self._make_room(dest.nbytes)
         try:
@@ -186,7 +186,7 @@ class SideCopies:
                 self._warned = True
                 logger.warning(
                     "hsdump: no GPU memory for a %d MB snapshot; copying on the forward's stream "
-                    "(lower HSDUMP_GPU_STAGING_MB or --mem-fraction-static)",
+                    "(lower --mem-fraction-static)",
                     dest.nbytes >> 20,
                 )
             stage_rows(rows, dest, kh)
@@ -197,10 +197,8 @@ class SideCopies:
         with torch.cuda.stream(self.stream):
             dest.copy_(snapshot, non_blocking=True)  # one contiguous copy
         snapshot.record_stream(self.stream)  # not reused before the side stream has read it
-        streams, taken = [self.stream], False
-        if moments is not None:
-            taken = self._take_moments(snapshot, rows.shape, kh, moments)
-            streams.append(self.moments_stream)
+        taken = self._take_moments(snapshot, rows.shape, kh, moments)
+        streams = (self.stream, self.moments_stream)
         self._in_flight.append((
             [record_event(rows.device, stream) for stream in streams], snapshot.nbytes
         ))  # fmt: skip
@@ -270,7 +268,9 @@ def _moments_copy(parts: list[torch.Tensor], dest: torch.Tensor) -> bool:
 
 
 class Stager:
-    """Copies a slice's rows into the pinned ring and hands groups of pieces to a consumer.
+    """Copies a slice's rows, and their `vector_moments`, into the pinned ring and hands groups of
+    pieces to a consumer. On a GPU the copies run through `SideCopies`; on the CPU (tests) they
+    run in place.
 
     Args:
         ring: The pinned ring.
@@ -278,9 +278,6 @@ class Stager:
         hidden_size: H.
         submit: Called with ``(event, pieces)`` once the pieces' copies are queued; the consumer
             waits on the event, writes the pieces and frees their blocks.
-        side_bytes: GPU snapshots in flight for `SideCopies`; 0 queues the copies to pinned
-            memory on the forward's stream instead.
-        moments: Take each row's `vector_moments` on the GPU (the dumps then carry them).
     """
 
     def __init__(
@@ -290,15 +287,11 @@ class Stager:
         num_layers: int,
         hidden_size: int,
         submit: Callable[[Any, list[Piece]], None],
-        side_bytes: int = 0,
-        moments: bool = True,
     ):
         self.ring, self.k, self.h = ring, num_layers, hidden_size
-        self.moments = moments
         self._submit = submit
         self._pending: list[Piece] = []
         self._device = torch.device("cpu")
-        self._side_bytes = side_bytes
         self._side: SideCopies | None = None
 
     def stage(
@@ -316,18 +309,20 @@ class Stager:
 
     def flush(self) -> None:
         """Hand the queued pieces over, behind an event recorded after their copies."""
-        if self._pending:
-            pieces, self._pending = self._pending, []
-            event = self._side.event() if self._side else record_event(self._device)
-            if self._side is not None:
-                ready = self._side.moments_event()
-                for piece in pieces:
-                    piece.moments_ready = ready if piece.moments is not None else None
-            self._submit(event, pieces)
+        if not self._pending:
+            return
+        pieces, self._pending = self._pending, []
+        if self._side is None:
+            self._submit(record_event(self._device), pieces)
+            return
+        ready = self._side.moments_event()
+        for piece in pieces:
+            piece.moments_ready = ready if piece.moments is not None else None
+        self._submit(self._side.event(), pieces)
 
     def _side_copies(self, device: torch.device) -> SideCopies | None:
-        if self._side is None and self._side_bytes and device.type == "cuda":
-            self._side = SideCopies(device, self._side_bytes)
+        if self._side is None and device.type == "cuda":
+            self._side = SideCopies(device, SNAPSHOT_BYTES)
         return self._side
 
     def _stage_piece(
@@ -343,7 +338,7 @@ class Stager:
     ) -> None:
         kh, size = self.k * self.h, hidden.element_size()
         # The moments first (float32 at the block's aligned start), then the rows.
-        lead = n * (self.k + 1) * 2 * 4 if self.moments else 0
+        lead = n * (self.k + 1) * 2 * 4
         nbytes = lead + n * (kh + self.h) * size
         got = self.ring.try_alloc(nbytes)
         if got is None:
@@ -351,15 +346,14 @@ class Stager:
             got = self.ring.alloc(nbytes)
         block, buf = got
         moments, staged = buf[:lead], buf[lead:]
-        dest = moments.view(torch.float32).view(n, self.k + 1, 2) if self.moments else None
+        dest = moments.view(torch.float32).view(n, self.k + 1, 2)
         rows = hidden[row : row + n]
         side = self._side_copies(hidden.device)
         if side is not None:
             taken = side.copy(rows, staged.view(hidden.dtype), kh, dest)
         else:
             stage_rows(rows, staged.view(hidden.dtype), kh)
-            parts = [rows.reshape(n, self.k + 1, self.h)]
-            taken = dest is not None and _moments_copy(parts, dest)
+            taken = _moments_copy([rows.reshape(n, self.k + 1, self.h)], dest)
         aux, final = staged[: n * kh * size], staged[n * kh * size :]
         self._pending.append(
             Piece(

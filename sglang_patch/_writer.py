@@ -63,13 +63,19 @@ class DumpFormat:
 
 
 class StageClock:
-    """Seconds spent per stage, logged every ``interval_s`` (``HSDUMP_PROFILE_S``; 0: off)."""
+    """Seconds spent per stage, logged every ``HSDUMP_PROFILE_S`` seconds (unset: never).
 
-    def __init__(self, name: str, interval_s: float):
-        self.name, self.interval_s = name, interval_s
+    ``HSDUMP_PROFILE_S`` is a development variable, not a setting: the GPU runs
+    (``tests/gpu/run.sh kimi_ab``, docs/performance.md) read the per-stage lines to find what
+    bounds the dump path. It is read here only.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.interval_s = float(os.environ.get("HSDUMP_PROFILE_S") or 0)
         self.seconds: dict[str, float] = {}
         self._lock = threading.Lock()
-        self._next = time.monotonic() + interval_s
+        self._next = time.monotonic() + self.interval_s
 
     def add(self, stage: str, started: float) -> float:
         """Add the time since ``started`` (a ``perf_counter``) to ``stage``; returns now."""
@@ -100,7 +106,7 @@ class WriterThread:
         self._ledger = Ledger(config.dump_dir, fmt.producer, fmt.row_bytes)
         self._thread = threading.Thread(target=self._run, name="hsdump-writer", daemon=True)
         self._pool = ThreadPoolExecutor(config.write_threads, thread_name_prefix="hsdump-write")
-        self.clock = StageClock("writer", config.profile_s)
+        self.clock = StageClock("writer")
         self._publisher = _Publisher(self._ledger, fmt, release, self.clock, self._pool)
 
     def start(self) -> WriterThread:
@@ -217,8 +223,8 @@ class WriterThread:
                 num_layers=len(self.fmt.layer_ids),
                 hidden_size=self.fmt.hidden_size,
                 dtype=self.fmt.dtype,
-                mapped=self.config.mapped_writes,
-                moments=self.config.row_moments,
+                mapped=True,
+                moments=True,
             )
         except (OSError, ValueError) as exc:
             reason = f"could not create its dump in {self.config.dump_dir}: {exc}"

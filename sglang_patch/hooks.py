@@ -1,6 +1,6 @@
 """The functions hooked into SGLang, and the start-up checks of each scheduler process.
 
-Four targets (see `sglang_patch.plugin.HOOKS`):
+Four targets (`HOOKS`, which `sglang_patch.plugin` registers):
 
 * ``configure_aux_hidden_state_capture`` (AFTER): turns on EAGLE-3 aux-layer capture on the model
   before CUDA graphs are captured, and records the layers it actually captures.
@@ -23,8 +23,8 @@ import inspect
 import logging
 import os
 import shutil
-import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,11 +34,15 @@ from hsdump._protocol import Capabilities, ProducerInfo, ProducerManifest, write
 from sglang_patch._config import PluginConfig, load_config
 
 __all__ = [
+    "HOOKS",
+    "STATE",
+    "Hook",
     "after_configure_capture",
     "after_scheduler_init",
     "around_forward_batch_generation",
     "around_hidden_states_to_store",
     "find_capture_module",
+    "remove_stale_tmp_dirs",
 ]
 
 logger = logging.getLogger(__name__)
@@ -56,6 +60,8 @@ class _State:
     dumper: Any = None
 
 
+#: What the hooks of this process learned: the settings, the captured layers, start-up problems
+#: found before the scheduler existed, and the dumper of the writing rank.
 STATE = _State()
 
 
@@ -221,8 +227,6 @@ def _setup_problems(server_args: Any, parallel: Any) -> list[str]:
 def _unapplied_hooks() -> list[str]:
     from sglang.srt.plugins.hook_registry import HookRegistry
 
-    from sglang_patch.plugin import HOOKS
-
     # apply_hooks() only logs a target it cannot patch; a missing hook must stop the server.
     patched = getattr(HookRegistry, "_patched", None)
     if patched is None:
@@ -251,20 +255,15 @@ def _start_dumper(scheduler: Any, config: PluginConfig, parallel: Any) -> None:
     warning = small_page_warning(config.dump_dir)
     if warning is not None:
         logger.warning("hsdump: %s", warning)
-    # The scheduler thread spins on the GIL while idle; the writer thread gives the GIL up at every
-    # syscall and waits up to one switch interval (5 ms by default) to get it back, ~20 times per
-    # dump. A short interval keeps a dump's latency in milliseconds (measured in docs).
-    sys.setswitchinterval(config.switch_interval_s)
     STATE.dumper = Dumper(config, fmt, pin=torch.cuda.is_available())
-    manifest = write_manifest(config.dump_dir, _manifest(fmt, config))
+    manifest = write_manifest(config.dump_dir, _manifest(fmt))
     atexit.register(_shutdown, manifest)
 
 
-def _manifest(fmt: Any, config: PluginConfig) -> ProducerManifest:
+def _manifest(fmt: Any) -> ProducerManifest:
     return ProducerManifest(
         producer=fmt.producer,
         rank=fmt.rank,
-        rid_prefix=config.rid_prefix,
         layer_ids=list(fmt.layer_ids),
         final_norm="post_norm",
         hidden_size=fmt.hidden_size,
@@ -273,7 +272,7 @@ def _manifest(fmt: Any, config: PluginConfig) -> ProducerManifest:
         capabilities=Capabilities(
             chunked_prefill_assembly=True,
             prefix_cache_guard=True,
-            row_moments=config.row_moments,
+            row_moments=True,
         ),
     )
 
@@ -312,3 +311,41 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+@dataclass(frozen=True)
+class Hook:
+    """One hook: the dotted SGLang target, the hook type's name, and the function hooked in.
+
+    Attributes:
+        target: Dotted path of the SGLang function or method.
+        kind: ``"AFTER"`` or ``"AROUND"`` (a ``HookType`` member name).
+        function: The hook function (one of this module's).
+    """
+
+    target: str
+    kind: str
+    function: Callable[..., Any]
+
+
+#: What `sglang_patch.plugin.register` hands SGLang's ``HookRegistry``; the targets are checked
+#: against each supported release's source (tests/test_sglang_patch_source.py).
+HOOKS = (
+    Hook(
+        "sglang.srt.model_executor.model_runner_components.attention_backend_setup"
+        ".configure_aux_hidden_state_capture",
+        "AFTER",
+        after_configure_capture,
+    ),
+    Hook(
+        "sglang.srt.layers.logits_processor.LogitsProcessor._get_hidden_states_to_store",
+        "AROUND",
+        around_hidden_states_to_store,
+    ),
+    Hook(
+        "sglang.srt.managers.tp_worker.TpModelWorker.forward_batch_generation",
+        "AROUND",
+        around_forward_batch_generation,
+    ),
+    Hook("sglang.srt.managers.scheduler.Scheduler.__init__", "AFTER", after_scheduler_init),
+)

@@ -6,6 +6,7 @@ and ``Req`` (checked against the real sources in test_sglang_patch_source.py).
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -18,16 +19,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import sglang_patch._ledger
+import sglang_patch
 from hsdump._client.loading import read_dump, to_torch
 from hsdump._exceptions import DumpFailed
-from hsdump._protocol import MOMENTS_FILE, DumpWriter, ProducerInfo, request_dir
-from sglang_patch._config import PluginConfig, load_config
-from sglang_patch._dumper import Dumper
-from sglang_patch._plan import ChunkPlanner
-from sglang_patch._staging import PinnedRing, Stager, vector_moments
-from sglang_patch._writer import DumpFormat
-from sglang_patch.hooks import _manifest, remove_stale_tmp_dirs
+from hsdump._protocol import DumpWriter, ProducerInfo, request_dir
+from sglang_patch.hooks import remove_stale_tmp_dirs
+from sglang_patch.testing import (
+    ChunkPlanner,
+    Dumper,
+    DumpFormat,
+    PinnedRing,
+    PluginConfig,
+    Stager,
+    load_config,
+    vector_moments,
+)
 
 K, H = 3, 8
 FMT = DumpFormat(
@@ -57,14 +63,13 @@ def rows(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn(n, (K + 1) * H, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(params=[True, False], ids=["mapped", "pwrite"])
-def dumper(tmp_path: Path, request: pytest.FixtureRequest):
-    """Dumpers that fill the dump files through memory maps, or with ``pwrite``."""
+@pytest.fixture
+def dumper(tmp_path: Path):
+    """Makes dumpers into ``tmp_path`` (64 KiB pinned unless told), closed after the test."""
     made = []
 
     def make(**overrides) -> Dumper:
-        defaults = {"pinned_bytes": 1 << 16, "mapped_writes": request.param}
-        config = PluginConfig(dump_dir=tmp_path, **{**defaults, **overrides})
+        config = PluginConfig(dump_dir=tmp_path, **{"pinned_bytes": 1 << 16, **overrides})
         made.append(Dumper(config, FMT, pin=False))
         return made[-1]
 
@@ -76,6 +81,16 @@ def dumper(tmp_path: Path, request: pytest.FixtureRequest):
 def forward(d: Dumper, b: SimpleNamespace, hidden: torch.Tensor) -> None:
     d.on_forward(b, SimpleNamespace(hidden_states=hidden))
     d.writer.drain()
+
+
+def wait_for(condition, timeout_s: float = 10.0) -> bool:
+    """Whether ``condition()`` became true within ``timeout_s`` (for what another thread does)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def assert_dump(root: Path, req: Req, expected: torch.Tensor) -> None:
@@ -97,9 +112,7 @@ def test_plan_maps_rows_to_opted_in_requests_and_skips_others() -> None:
         Req("hsdump-b", 2),
         Req("hsdump-d", 9, 1),
     )
-    plan = ChunkPlanner("hsdump-").plan(
-        batch([a, foreign, b, decoding], [4, 3, 2, 1], [0, 0, 0, 9])
-    )
+    plan = ChunkPlanner().plan(batch([a, foreign, b, decoding], [4, 3, 2, 1], [0, 0, 0, 9]))
     assert [(s.rid, s.row, s.n, s.start, s.last) for s in plan.slices] == [
         ("hsdump-a", 0, 4, 0, True),
         ("hsdump-b", 7, 2, 0, True),
@@ -109,19 +122,19 @@ def test_plan_maps_rows_to_opted_in_requests_and_skips_others() -> None:
 
 def test_plan_skips_requests_listed_as_decoding_in_a_mixed_batch() -> None:
     a, d = Req("hsdump-a", 2), Req("hsdump-d", 5)
-    plan = ChunkPlanner("hsdump-").plan(batch([a, d], [2, 1], [0, 0], decoding=[d]))
+    plan = ChunkPlanner().plan(batch([a, d], [2, 1], [0, 0], decoding=[d]))
     assert [s.rid for s in plan.slices] == ["hsdump-a"]
 
 
 def test_first_chunk_with_cached_prefix_is_an_error_naming_the_fix() -> None:
-    plan = ChunkPlanner("hsdump-").plan(batch([Req("hsdump-a", 10)], [3], [7]))
+    plan = ChunkPlanner().plan(batch([Req("hsdump-a", 10)], [3], [7]))
     ((rid, reason),) = plan.errors
     assert rid == "hsdump-a" and not plan.slices
     assert "7 of its 10" in reason and "extra_key" in reason and "--disable-radix-cache" in reason
 
 
 def test_chunks_stay_open_until_the_prompt_is_covered() -> None:
-    planner, req = ChunkPlanner("hsdump-"), Req("hsdump-a", 10)
+    planner, req = ChunkPlanner(), Req("hsdump-a", 10)
     first = planner.plan(batch([req], [4], [0])).slices[0]
     assert not first.last and first.input_ids == tuple(req.origin_input_ids)
     assert planner.open_rids == ["hsdump-a"]
@@ -130,7 +143,7 @@ def test_chunks_stay_open_until_the_prompt_is_covered() -> None:
 
 
 def test_a_chunk_that_skips_tokens_is_an_error() -> None:
-    planner, req = ChunkPlanner("hsdump-"), Req("hsdump-a", 10)
+    planner, req = ChunkPlanner(), Req("hsdump-a", 10)
     planner.plan(batch([req], [4], [0]))
     plan = planner.plan(batch([req], [3], [5]))
     assert plan.errors and "next expected chunk starts at token 4" in plan.errors[0][1]
@@ -139,7 +152,7 @@ def test_a_chunk_that_skips_tokens_is_an_error() -> None:
 
 def test_requests_that_stop_mid_prefill_expire() -> None:
     now = [0.0]
-    planner = ChunkPlanner("hsdump-", clock=lambda: now[0])
+    planner = ChunkPlanner(clock=lambda: now[0])
     planner.plan(batch([Req("hsdump-a", 10)], [4], [0]))
     assert planner.expire(60) == []
     now[0] = 61
@@ -309,21 +322,14 @@ def test_a_slow_publish_does_not_hold_the_next_request(dumper, tmp_path, monkeyp
 
 
 def test_an_error_for_a_request_whose_rows_are_being_written_publishes_only_the_error(
-    dumper, tmp_path, held_writes, monkeypatch
+    dumper, tmp_path, held_writes
 ) -> None:
-    marked = threading.Event()
-    real_error = sglang_patch._ledger.write_error
-
-    def write_error(*args, **kwargs):
-        real_error(*args, **kwargs)
-        marked.set()
-
-    monkeypatch.setattr(sglang_patch._ledger, "write_error", write_error)
     d, a = dumper(write_threads=2), Req("hsdump-a", 4)
     held_writes.held.add(a.rid)
     d.on_forward(batch([a], [4], [0]), SimpleNamespace(hidden_states=rows(4)))
     d.writer.submit_error(a.rid, "the request was cancelled")
-    assert marked.wait(10)  # the error is handled while the row write is still held
+    # The error marker is published while the row write is still held.
+    assert wait_for(request_dir(tmp_path, a.rid).exists)
     held_writes.release.set()  # the write lands in files that must still be mapped
     d.writer.drain()
     with pytest.raises(DumpFailed, match="cancelled"):
@@ -357,8 +363,7 @@ def test_an_aborted_request_leaves_no_directory_behind(dumper, tmp_path: Path) -
     d, req = dumper(partial_ttl_s=0.01), Req("hsdump-a", 10)
     forward(d, batch([req], [4], [0]), rows(4))
     assert next(p.name for p in tmp_path.iterdir()).startswith(".tmp-req_hsdump-a")
-    time.sleep(0.02)
-    d._next_expiry = 0  # the next forward checks for stalled requests
+    time.sleep(0.02)  # past the TTL: the next forward drops the stalled request
     forward(d, batch([Req("y", 1)], [1], [0]), rows(1))
     assert list(tmp_path.iterdir()) == []
 
@@ -402,16 +407,12 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path: Path) -> None
     monkeypatch.setenv("HSDUMP_DUMP_DIR", str(tmp_path))
     monkeypatch.setenv("HSDUMP_LAYER_IDS", "2, 30,58")
     monkeypatch.setenv("HSDUMP_PINNED_MB", "64")
+    monkeypatch.setenv("HSDUMP_MAX_PENDING_MB", "128")
     monkeypatch.setenv("HSDUMP_WRITE_THREADS", "3")
-    monkeypatch.setenv("HSDUMP_SWITCH_INTERVAL_US", "2000")
-    monkeypatch.setenv("HSDUMP_MAPPED_WRITES", "0")
-    monkeypatch.setenv("HSDUMP_GPU_STAGING_MB", "0")
-    monkeypatch.setenv("HSDUMP_ROW_MOMENTS", "0")
     config = load_config()
-    assert config.layer_ids == (2, 30, 58) and config.pinned_bytes == 64 << 20
-    assert config.write_threads == 3 and config.switch_interval_s == 0.002
-    assert not config.mapped_writes and config.gpu_staging_bytes == 0 and not config.row_moments
-    assert config.dump_dir == tmp_path
+    assert config.dump_dir == tmp_path and config.layer_ids == (2, 30, 58)
+    assert config.pinned_bytes == 64 << 20 and config.max_pending_bytes == 128 << 20
+    assert config.write_threads == 3
 
 
 @pytest.mark.parametrize(
@@ -423,10 +424,6 @@ def test_settings_come_from_the_environment(monkeypatch, tmp_path: Path) -> None
         ("HSDUMP_PINNED_MB", "lots", "not an integer"),
         ("HSDUMP_MAX_PENDING_MB", "-1", "positive"),
         ("HSDUMP_WRITE_THREADS", "0", "positive"),
-        ("HSDUMP_SWITCH_INTERVAL_US", "0", "positive"),
-        ("HSDUMP_MAPPED_WRITES", "yes", "must be 1 \\(on\\) or 0 \\(off\\)"),
-        ("HSDUMP_GPU_STAGING_MB", "-5", "positive"),
-        ("HSDUMP_ROW_MOMENTS", "on", "must be 1 \\(on\\) or 0 \\(off\\)"),
     ],
 )
 def test_malformed_settings_name_the_variable(monkeypatch, tmp_path, name, value, message) -> None:
@@ -439,11 +436,24 @@ def test_malformed_settings_name_the_variable(monkeypatch, tmp_path, name, value
 
 def test_plugin_modules_import_without_the_clients_dependencies() -> None:
     code = (
-        "import sys, sglang_patch.plugin, sglang_patch.hooks, sglang_patch._dumper;"
+        "import sys, sglang_patch.plugin, sglang_patch.hooks, sglang_patch.testing;"
         "print(sorted(m for m in ('httpx', 'inotify_simple', 'zarr') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_plugin_imports_from_hsdump_only_the_protocol_and_memfs() -> None:
+    """_memfs (standard library only) holds the small-page warning it shares with the client."""
+    imported = set()
+    for path in Path(sglang_patch.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+            elif isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+    from_hsdump = {name for name in imported if name.split(".")[0] == "hsdump"}
+    assert from_hsdump == {"hsdump._protocol", "hsdump._memfs"}
 
 
 def test_the_plugin_is_inert_without_a_dump_root(monkeypatch) -> None:
@@ -486,10 +496,10 @@ def test_taking_moments_leaves_the_forwards_rows_as_they_were() -> None:
 def test_without_gpu_memory_for_moments_the_writer_computes_them(
     dumper, tmp_path: Path, monkeypatch
 ) -> None:
-    def no_memory(parts):
+    def no_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("no memory")
 
-    monkeypatch.setattr("sglang_patch._staging.vector_moments", no_memory)
+    monkeypatch.setattr(torch.linalg, "vector_norm", no_memory)  # the moments' reduction
     d, a = dumper(), Req("hsdump-a", 4)
     hidden = rows(4)
     forward(d, batch([a], [4], [0]), hidden)
@@ -532,12 +542,3 @@ def test_rows_are_written_while_their_moments_are_still_being_taken(
     gate.done.set()
     d.writer.drain()
     assert torch.allclose(_declared_moments(tmp_path, Req("hsdump-a", 4)), _moments(hidden))
-
-
-def test_with_moments_off_dumps_carry_none_and_the_manifest_says_so(dumper, tmp_path) -> None:
-    d, a = dumper(row_moments=False), Req("hsdump-a", 4)
-    forward(d, batch([a], [4], [0]), rows(4))
-    assert_dump(tmp_path, a, rows(4))
-    assert not (request_dir(tmp_path, a.rid) / MOMENTS_FILE).exists()
-    assert _manifest(FMT, d.config).capabilities.row_moments is False
-    assert _manifest(FMT, PluginConfig(dump_dir=tmp_path)).capabilities.row_moments is True

@@ -237,7 +237,7 @@ def test_a_prefill_is_dumped_through_sglangs_hook_registry(tmp_path, hook_regist
     (text,) = out["manifests"]  # read while the server ran: it is removed when the server exits
     manifest = ProducerManifest.model_validate_json(text)
     caps = manifest.capabilities
-    assert caps.chunked_prefill_assembly and caps.prefix_cache_guard
+    assert caps.chunked_prefill_assembly and caps.prefix_cache_guard and caps.row_moments
     assert manifest.layer_ids == [2, 4, 5] and manifest.dtype == "float32"
     assert not list((dump / "_producers").iterdir())
     assert "hsdump: dump active on tp rank 0" in proc.stderr

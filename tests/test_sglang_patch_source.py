@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_patch.plugin import HOOKS, SUPPORTED_VERSIONS
+from sglang_patch.hooks import HOOKS
+from sglang_patch.plugin import SUPPORTED_VERSIONS
 
 CACHE = Path(
     os.environ.get("HSDUMP_SGLANG_SRC_CACHE", Path.home() / ".cache" / "hsdump" / "sglang-src")
