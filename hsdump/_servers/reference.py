@@ -49,7 +49,10 @@ __all__ = [
     "ReferenceServer",
     "build_default_model",
     "capture_states",
+    "default_device",
     "default_layer_ids",
+    "inference_model",
+    "load_model",
 ]
 
 logger = logging.getLogger(__name__)
@@ -87,7 +90,7 @@ def build_default_model(seed: int = DEFAULT_SEED, **overrides: Any) -> PreTraine
 
     config = LlamaConfig(**{**DEFAULT_CONFIG, **overrides})
     torch.manual_seed(seed)
-    return _ready(LlamaForCausalLM(config))
+    return inference_model(LlamaForCausalLM(config))
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -127,7 +130,7 @@ def capture_states(
     return aux, (before_norm[0] if before_norm else hidden[-1])[0]
 
 
-def _load_model(
+def load_model(
     model: str | os.PathLike[str], device: str, dtype: torch.dtype | None = None
 ) -> PreTrainedModel:
     """Load a local causal LM in ``dtype``, or the device's choice when None."""
@@ -137,7 +140,7 @@ def _load_model(
     # bf16 matmuls are slow on most CPUs: compute in fp32 there, dump bf16 like SGLang does.
     chosen: Any = dtype or ("auto" if device.startswith("cuda") else torch.float32)
     try:
-        return _ready(AutoModelForCausalLM.from_pretrained(os.fspath(model), dtype=chosen))
+        return inference_model(AutoModelForCausalLM.from_pretrained(os.fspath(model), dtype=chosen))
     except (OSError, ValueError) as exc:
         raise ConfigError(
             f"cannot load a causal LM from {os.fspath(model)!r}: {exc}. Pass a local directory "
@@ -145,14 +148,14 @@ def _load_model(
         ) from exc
 
 
-def _ready(model: Any, device: str | None = None) -> PreTrainedModel:
+def inference_model(model: Any, device: str | None = None) -> PreTrainedModel:
     """The model in inference mode, on ``device`` when given."""
     if device is not None:
         model = model.to(device)
     return cast("PreTrainedModel", model.eval())
 
 
-def _default_device() -> str:
+def default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -365,7 +368,7 @@ class ReferenceServer:
         dtype: DType = "bfloat16",
     ):
         self.dump_dir = Path(dump_dir) if dump_dir is not None else default_dump_dir()
-        self.device = device or _default_device()
+        self.device = device or default_device()
         self.engine = ReferenceEngine(
             self._model(model),
             dump_dir=self.dump_dir,
@@ -378,10 +381,10 @@ class ReferenceServer:
 
     def _model(self, model: str | os.PathLike[str] | PreTrainedModel | None) -> PreTrainedModel:
         if model is None:
-            return _ready(build_default_model(), self.device)
+            return inference_model(build_default_model(), self.device)
         if isinstance(model, str | os.PathLike):
-            return _ready(_load_model(model, self.device), self.device)
-        return _ready(model)
+            return inference_model(load_model(model, self.device), self.device)
+        return inference_model(model)
 
     @staticmethod
     def _model_path(model: object) -> str:

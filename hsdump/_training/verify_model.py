@@ -184,9 +184,9 @@ def _final_norm(prov: Provenance, where: str) -> FinalNorm:
 def _pick_device(device: str | None) -> str:
     import torch
 
-    from hsdump._servers.reference import _default_device
+    from hsdump._servers.reference import default_device
 
-    device = device or _default_device()
+    device = device or default_device()
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} was asked for, but torch sees no GPU: use cpu")
     if not (device == "cpu" or device.startswith("cuda")):
@@ -197,9 +197,9 @@ def _pick_device(device: str | None) -> str:
 def _load_fp32(model_dir: Path, device: str) -> PreTrainedModel:
     import torch
 
-    from hsdump._servers.reference import _load_model, _ready
+    from hsdump._servers.reference import load_model, inference_model
 
-    return _ready(_load_model(model_dir, device, torch.float32), device)
+    return inference_model(load_model(model_dir, device, torch.float32), device)
 
 
 def _check_fits(
