@@ -197,7 +197,7 @@ def _pick_device(device: str | None) -> str:
 def _load_fp32(model_dir: Path, device: str) -> PreTrainedModel:
     import torch
 
-    from hsdump._servers.reference import load_model, inference_model
+    from hsdump._servers.reference import inference_model, load_model
 
     return inference_model(load_model(model_dir, device, torch.float32), device)
 
