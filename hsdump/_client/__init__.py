@@ -2,6 +2,7 @@
 
 ``client`` holds `HiddenStateClient` (the in-flight gate, the request, the probe
 of the server); ``watcher`` waits for a request's ``done`` marker (inotify, polling, watchfiles);
-``loading`` and ``validate`` turn a published dump into checked tensors; ``budget`` bounds the
+``loading``, ``validate`` and ``dumpfiles`` turn a published dump into checked tensors (the
+checks against the request; the mapped tensor files and their values); ``budget`` bounds the
 bytes of dumps held in the root; ``janitor`` removes what dead clients left there.
 """

@@ -50,7 +50,7 @@ from hsdump._run.parallel import committed_ids
 from hsdump._run.ray_actor import ActorSpec, BatchResult, ExtractionActor
 from hsdump._run.ray_cluster import ServerEntry, connected, require_ray, resolve_nodes
 from hsdump._run.worker import STOP_GRACE_S
-from hsdump._store.backend import part_released
+from hsdump._store.locks import part_released
 from hsdump._types import Sample
 
 __all__ = ["run_ray_extraction"]

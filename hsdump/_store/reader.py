@@ -9,10 +9,10 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from hsdump._exceptions import StoreCorruptedError, StoreError
-from hsdump._store.backend import os_error
 from hsdump._store.codecs import bits_dtype, bits_to_tensor
 from hsdump._store.integrity import crc32, damaged
 from hsdump._store.objstore import dependency_error
+from hsdump._store.roots import os_error
 from hsdump._store.shardio import DAMAGED
 from hsdump._store.zarr_adapter import UnsupportedArrayError
 

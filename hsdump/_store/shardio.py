@@ -24,7 +24,7 @@ import numpy as np
 
 from hsdump._cores import cores
 from hsdump._store import zarr_adapter
-from hsdump._store.backend import local_root
+from hsdump._store.roots import local_root
 from hsdump._store.zarr_adapter import EMPTY, ShardIndexError, UnsupportedArrayError
 
 if TYPE_CHECKING:

@@ -33,26 +33,13 @@ from hsdump._exceptions import (
     StoreWriteFailedError,
 )
 from hsdump._protocol import dtype_spec
-from hsdump._store.backend import (
-    PART_PREFIX,
-    Mode,
-    PartLock,
-    check_tensors,
-    child_groups,
-    describe,
-    ids_int32,
-    local_dir,
-    lock_part,
-    moments_of,
-    open_root,
-    os_error,
-)
 from hsdump._store.codecs import (
     Compression,
     chunk_tokens_for,
     codec_description,
     hidden_compressors,
 )
+from hsdump._store.intake import check_tensors, ids_int32, moments_of
 from hsdump._store.integrity import (
     COMMITTED_SAMPLES_KEY,
     committed_counts,
@@ -60,6 +47,7 @@ from hsdump._store.integrity import (
     sample_token_digest,
     state_attributes,
 )
+from hsdump._store.locks import PartLock, lock_part
 from hsdump._store.objstore import abort_uploads, dependency_error
 from hsdump._store.options import StoreOptions
 from hsdump._store.part import (
@@ -73,6 +61,15 @@ from hsdump._store.part import (
 )
 from hsdump._store.provenance import Provenance, check_compatible, provenance_of
 from hsdump._store.reader import PartReader, VerifyReport, verify_parts
+from hsdump._store.roots import (
+    PART_PREFIX,
+    Mode,
+    child_groups,
+    describe,
+    local_dir,
+    open_root,
+    os_error,
+)
 from hsdump._store.shardbuf import ValueCheck
 from hsdump._store.shardio import PARTIAL_SUFFIX
 from hsdump._store.stats import LayerStats, RowStats, merge_layer_lists

@@ -1,27 +1,19 @@
-"""The edges of the store: opening zarr roots, locking parts, checking samples, OS errors."""
+"""Opening a store's root, on a local disk or S3, and where its parts and locks live."""
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
-import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Literal
 
 from hsdump._exceptions import (
-    InputError,
     NotAStoreError,
-    PartLockedError,
     StoreCorruptedError,
-    StoreError,
     StoreExistsError,
     StoreIOError,
     StoreNotFoundError,
 )
-from hsdump._store.codecs import torch_dtype_name
 from hsdump._store.objstore import (
     dependency_error,
     describe_url,
@@ -36,31 +28,32 @@ if TYPE_CHECKING:
 
     import zarr
 
-    from hsdump._types import HiddenStates
-
 __all__ = [
     "LAYOUT_KEY",
     "LOCK_DIR_SUFFIX",
     "PART_PREFIX",
     "ROOT_KEY",
-    "PartLock",
-    "check_tensors",
+    "Mode",
     "child_groups",
     "describe",
-    "ids_int32",
     "local_dir",
     "local_root",
-    "lock_part",
-    "moments_of",
+    "lock_dir",
     "open_root",
     "os_error",
-    "part_released",
 ]
 
+
 Mode = Literal["r", "a", "w"]
+
+
 ROOT_KEY = "hsdump_store"
+
+
 LAYOUT_KEY = "hsdump_layout"
 # The root's attributes[LAYOUT_KEY]: how to read a sample with zarr alone, without hsdump's docs.
+
+
 LAYOUT = (
     "Written by hsdump: hidden states keyed by sample id. Each writer's samples are in a group "
     "part-<writer_id>. Only the first <part>.attrs['committed_samples'] entries of the part's "
@@ -76,10 +69,13 @@ LAYOUT = (
 )
 # Writer locks live beside the store, in ``<store>.hsdump-locks/<part>.lock``: zarr's tree walk
 # warns about every file inside the store that is not zarr's, directories included.
+
+
 LOCK_DIR_SUFFIX = ".hsdump-locks"
 #: A writer's part is the group ``part-<writer_id>`` of the store.
+
+
 PART_PREFIX = "part-"
-_LEGACY_LOCK_FILE = ".hsdump-writer.lock"  # inside the part, before the locks moved out
 
 
 def describe(path: Any) -> str:
@@ -202,60 +198,6 @@ def os_error(exc: OSError, where: str) -> StoreIOError:
     return StoreIOError(f"I/O error on the store at {where}: {redact(str(exc))}")
 
 
-def check_tensors(hs: HiddenStates) -> str:
-    aux, final, ids = hs.aux_hidden_states, hs.final_hidden_state, hs.input_ids
-    t = int(ids.shape[0]) if ids.dim() == 1 else -1
-    k = len(hs.layer_ids)
-    if ids.dim() != 1 or t == 0 or aux.dim() != 3 or final.dim() != 2:
-        raise InputError(
-            f"expected input_ids [T], aux [T, K, H] and final [T, H], found {tuple(ids.shape)}, "
-            f"{tuple(aux.shape)} and {tuple(final.shape)}",
-            sample_id=hs.sample_id,
-        )
-    h = int(final.shape[1])
-    if tuple(aux.shape) != (t, k, h) or int(final.shape[0]) != t:
-        raise InputError(
-            f"shapes do not fit: input_ids has T={t}, layer_ids K={k}, final H={h}, so aux must "
-            f"be {(t, k, h)} and final {(t, h)}; found {tuple(aux.shape)} and {tuple(final.shape)}",
-            sample_id=hs.sample_id,
-        )
-    if hs.loss_mask is not None and tuple(hs.loss_mask.shape) != (t,):
-        raise InputError(
-            f"loss_mask must be [{t}], found {tuple(hs.loss_mask.shape)}", sample_id=hs.sample_id
-        )
-    dtype = torch_dtype_name(aux)
-    if final.dtype != aux.dtype:
-        raise InputError(
-            f"aux is {aux.dtype} but final is {final.dtype}: they must match",
-            sample_id=hs.sample_id,
-        )
-    return dtype
-
-
-def moments_of(hs: HiddenStates, layers: int) -> np.ndarray | None:
-    """``hs.row_moments`` as a float32 array ``[T, layers, 2]``, or None when not given."""
-    given = hs.row_moments
-    if given is None:
-        return None
-    shape = (hs.num_tokens, layers, 2)
-    if tuple(given.shape) != shape:
-        raise InputError(
-            f"row_moments must be {shape} (a sum and a sum of squares per vector), found "
-            f"{tuple(given.shape)}",
-            sample_id=hs.sample_id,
-        )
-    return np.ascontiguousarray(given.detach().cpu().numpy(), dtype=np.float32)
-
-
-def ids_int32(hs: HiddenStates) -> np.ndarray:
-    ids = hs.input_ids.detach().cpu().numpy()
-    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
-        raise InputError(
-            "input_ids must be in [0, 2**31): token ids are stored as int32", sample_id=hs.sample_id
-        )
-    return np.ascontiguousarray(ids, dtype=np.int32)
-
-
 def local_dir(root: zarr.Group) -> Path | None:
     """The directory of a group in a local store (None for any other store)."""
     base = local_root(root.store)
@@ -279,120 +221,3 @@ def lock_dir(root: zarr.Group) -> Path | None:
         return None
     store = local.resolve()
     return store.parent / f"{store.name}{LOCK_DIR_SUFFIX}"
-
-
-class PartLock(Protocol):
-    """A writer's hold on one part: a local file lock, an S3 lease, or nothing."""
-
-    def check(self) -> None:
-        """Raise `PartLockLostError` if the part may no longer be committed to."""
-
-    def release(self) -> None:
-        """Let the part go (idempotent)."""
-
-
-class _FileLock:
-    """``flock`` on open descriptors (none: a store hsdump cannot lock, such as a zarr
-    ``MemoryStore``, where distinct writer ids are up to the caller); the OS frees them if the
-    process dies."""
-
-    def __init__(self, fds: list[int]) -> None:
-        self._fds = fds
-
-    def check(self) -> None:
-        return None
-
-    def release(self) -> None:
-        for fd in self._fds:
-            os.close(fd)
-        self._fds = []
-
-
-def lock_part(
-    root: zarr.Group, name: str, where: str, writer_id: str = "", *, ttl_s: float | None = None
-) -> PartLock:
-    """Hold the part exclusively while it is open: a file lock beside a local store, a lease
-    object beside an S3 store (`hsdump._store.lease`), nothing for other stores.
-
-    Raises:
-        PartLockedError: Another live writer holds the part.
-    """
-    location = s3_location(root.store)
-    if location is not None:
-        from hsdump._store.lease import Lease
-
-        if not location.prefix:
-            raise StoreError(
-                f"{where} is a whole bucket: a writer keeps its lease beside the store, so give "
-                f"the store a prefix (s3://{location.bucket}/<name>.zarr)"
-            )
-        key = f"{location.bucket}/{location.prefix}{LOCK_DIR_SUFFIX}/{name}.lease"
-        return Lease.acquire(root.store, name, writer_id or name, where, key=key, ttl_s=ttl_s)
-    return _FileLock(_lock_local(root, name, where))
-
-
-def _lock_local(root: zarr.Group, name: str, where: str) -> list[int]:
-    """The descriptors holding a local part's locks (none for a store that is not local)."""
-    local, locks = local_dir(root), lock_dir(root)
-    if local is None or locks is None:
-        return []
-    locks.mkdir(exist_ok=True)
-    fd = _flock(locks / f"{name}.lock", name, where, create=True)
-    assert fd is not None  # created if missing
-    fds = [fd]
-    legacy = local / name / _LEGACY_LOCK_FILE
-    try:
-        # A part written before the locks moved out: an older hsdump may hold the old lock.
-        old = _flock(legacy, name, where, create=False) if legacy.exists() else None
-    except BaseException:
-        os.close(fds[0])
-        raise
-    if old is not None:
-        legacy.unlink(missing_ok=True)  # kept locked until release, so zarr's walk stays clean
-        fds.append(old)
-    return fds
-
-
-def part_released(store: str, writer_id: str, timeout: float) -> bool:
-    """Whether the lock of ``writer_id``'s part of the local store at ``store`` is free within
-    ``timeout`` seconds (its writer's process is gone). True at once for object storage, whose
-    parts are leased, and for a part that never opened."""
-    if "://" in store:
-        return True
-    root = Path(store).resolve()
-    lock = root.parent / f"{root.name}{LOCK_DIR_SUFFIX}" / f"{PART_PREFIX}{writer_id}.lock"
-    try:
-        fd = os.open(lock, os.O_RDWR)
-    except FileNotFoundError:
-        return True
-    freed = threading.Event()
-
-    def take() -> None:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # blocks until the dead writer's lock is released
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
-        freed.set()
-
-    threading.Thread(target=take, name=f"hsdump-fence-{writer_id}", daemon=True).start()
-    return freed.wait(timeout)
-
-
-def _flock(path: Path, name: str, where: str, *, create: bool) -> int | None:
-    """An open descriptor of ``path`` holding its exclusive lock (None: ``path`` vanished)."""
-    try:
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
-    except FileNotFoundError:
-        if create:
-            raise
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError as exc:
-        os.close(fd)
-        raise PartLockedError(
-            f"another live process is writing part {name!r} of {where} (it holds {path}): give "
-            "each concurrent writer its own writer_id (one part per writer)"
-        ) from exc
-    return fd
