@@ -2,25 +2,25 @@
 # GPU validation of sglang_patch on real SGLang 0.5.17 (one H200), from the repository root:
 #   bash tests/gpu/run.sh [tiny_a] [tiny_b] [bench] [bench_plain]      (default: all four)
 # Needs .gpu/ (a copy of the SGLang bundle folder) and .whl/ (zarr, numcodecs, inotify_simple, donfig, zlib-ng,
-# google-crc32c, pydantic-settings, python-dotenv wheels for Python 3.12). Writes logs and JSON results to $OUT.
+# google-crc32c, pydantic-settings, python-dotenv wheels for Python 3.12, and pytest, pluggy, iniconfig,
+# packaging and pytest-timeout for the checks). Writes logs and JSON results to $OUT.
 #   tiny_a       tiny random Llama, CUDA graphs off, radix cache off, chunked prefill 256,
-#                HSDUMP_LAYER_IDS=1,4,7, started through `python -m sglang_patch.launch_server`
+#                HSDUMP_LAYER_IDS=1,4,7, started through `python -m sglang_patch.launch_server`;
+#                the checks: `pytest -m gpu tests/gpu` (the dumps and the stored states against
+#                transformers, another client's requests never dumped)
 #   tiny_b       the same model, CUDA graphs on (decode + breakable prefill graphs), radix cache on,
 #                chunked prefill 256, the model's default EAGLE-3 layers, started through
-#                `python -m sglang.launch_server` (plugin found by its entry point)
+#                `python -m sglang.launch_server` (plugin found by its entry point); the same checks
 #   bench        ~1B random Llama with the plugin: hsdump extract vs a plain client, concurrency 1, 8
 #   bench_dump   the same server with the plugin: dump-only client (waits for done, deletes) vs plain
-#   graphs_1b    the ~1B model with CUDA graphs and the radix cache on: probe_dump.py, then bench --mode dump
+#   graphs_1b    the ~1B model with CUDA graphs and the radix cache on: tests/gpu/test_dump.py, then
+#                benchmarks/gpu_bench.py --mode dump
 #   bench_plain  the same server without the plugin (server alone), plain client only
 #   kimi         a random Llama with Kimi-K2.5's hidden size (H=7168, 57,344 B a token), SGLang's
-#                defaults (radix cache, CUDA graphs, 8192-token chunks): tests/gpu/kimi.py measures
-#                server alone, dump-only, store alone and hsdump extract at 1/8/32 in flight
-#   kimi_ab      the kimi server once per plugin setting in $KIMI_AB (e.g. "HSDUMP_WRITE_THREADS=4;
-#                HSDUMP_WRITE_THREADS=8"): server-alone and dump-only rows only
-#                (kimi, kimi_ab: KIMI_HUGE=1 puts the dumps and the memory store on a tmpfs mounted
-#                with huge=within_size at /mnt/hsdump-huge instead of /dev/shm; needs root)
-#   two_servers  two such servers on one GPU (--mem-fraction-static 0.3 each): hsdump extract into
-#                each alone, then into both with --servers (tests/gpu/two_servers.py)
+#                defaults (radix cache, CUDA graphs, 8192-token chunks): benchmarks/gpu_kimi.py
+#                measures server alone, dump-only, store alone and hsdump extract at 1/8/32 in flight
+#                (KIMI_ARGS passes it options; KIMI_HUGE=1 puts the dumps and the memory store on a
+#                tmpfs mounted with huge=within_size at /mnt/hsdump-huge instead of /dev/shm; needs root)
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 REPO=$(pwd)
@@ -35,6 +35,7 @@ setup() {
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/hs "$REPO" || exit 1
   export PYTHONPATH=/tmp/hs:/tmp/site PATH=/tmp/hs/bin:$PATH SGLANG_IS_FLASHINFER_AVAILABLE=false PYTHONUNBUFFERED=1
   python3 -c "import sglang, torch, importlib.metadata as m; print('sglang', sglang.__version__, 'torch', torch.__version__, [e.value for e in m.entry_points(group='sglang.srt.plugins')])"
+  python3 -c "import pytest, pytest_timeout" || { echo "the checks need pytest and pytest-timeout in .whl/"; exit 1; }
   nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 }
 
@@ -68,23 +69,21 @@ stop_server() {
   sleep 2
 }
 
+checks() {  # the GPU checks (tests/gpu/test_*.py, or the files given) against the server in GPU_CHECK_*
+  # -W default: this machine's torch and transformers may warn on import; the checks judge the states.
+  python3 -m pytest -m gpu -p no:cacheprovider -v -W default "${@:-tests/gpu}"
+}
+
 tiny() {  # name, expected layers, launcher module, server args...
   local name=$1 layers=$2 module=$3; shift 3
   [ -d /tmp/tiny ] || python3 .gpu/make_tiny_llama.py /tmp/tiny > /dev/null
   start_server "$name" "$module" --model-path /tmp/tiny --mem-fraction-static 0.2 \
     --enable-return-hidden-states --chunked-prefill-size 256 "$@" || { status=1; return; }
   curl -s $URL/server_info > "$OUT/server_info_$name.json"
-  local radix=""; [[ " $* " == *" --disable-radix-cache "* ]] || radix=--radix
-  python3 tests/gpu/probe_dump.py --name "$name" --url $URL --dump-dir "$HSDUMP_DUMP_DIR" \
-    --model /tmp/tiny --out "$OUT" $radix > "$OUT/probe_$name.log" 2>&1 || status=1
-  tail -30 "$OUT/probe_$name.log"
-  if hsdump extract --help > /dev/null 2>&1; then
-    python3 tests/gpu/check_tiny.py --name "$name" --url $URL --dump-dir "$HSDUMP_DUMP_DIR" \
-      --model /tmp/tiny --out "$OUT" --expect-layers "$layers" > "$OUT/check_$name.log" 2>&1 || status=1
-    tail -60 "$OUT/check_$name.log"
-  else
-    echo "hsdump extract is not available: extraction check skipped"; status=1
-  fi
+  local radix=0; [[ " $* " == *" --disable-radix-cache "* ]] || radix=1
+  GPU_CHECK_URL=$URL GPU_CHECK_STAGE=$name GPU_CHECK_MODEL=/tmp/tiny GPU_CHECK_LAYERS=$layers \
+    GPU_CHECK_RADIX=$radix checks > "$OUT/check_$name.log" 2>&1 || status=1
+  tail -40 "$OUT/check_$name.log"
   ls -la "$HSDUMP_DUMP_DIR" "$HSDUMP_DUMP_DIR/_producers" >> "$OUT/check_$name.log" 2>&1
   stop_server
   grep -hE "Traceback|hsdump.*(fail|error)" "$OUT/server_$name.log" | head -10
@@ -129,63 +128,35 @@ for stage in $STAGES; do
     bench) make_1b
            export HSDUMP_DUMP_DIR=/dev/shm/hsdump-bench
            start_server bench sglang.launch_server "${BENCH_ARGS[@]}" --enable-return-hidden-states || { status=1; continue; }
-           python3 tests/gpu/bench.py --server plugin --url $URL --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" || status=1
+           python3 benchmarks/gpu_bench.py --server plugin --url $URL --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" || status=1
            stop_server; unset HSDUMP_DUMP_DIR ;;
     bench_dump) make_1b
            export HSDUMP_DUMP_DIR=/dev/shm/hsdump-bench
            start_server bench_dump sglang.launch_server "${BENCH_ARGS[@]}" --enable-return-hidden-states || { status=1; continue; }
-           python3 tests/gpu/bench.py --server plugin --mode dump --url $URL --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" || status=1
+           python3 benchmarks/gpu_bench.py --server plugin --mode dump --url $URL --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" || status=1
            stop_server; unset HSDUMP_DUMP_DIR ;;
     graphs_1b) make_1b  # one server: ~1B model, CUDA graphs on, radix cache on; correctness + speed
            export HSDUMP_DUMP_DIR=/dev/shm/hsdump-1b
            start_server graphs_1b sglang.launch_server --model-path /tmp/m1b --mem-fraction-static 0.5 \
              --enable-return-hidden-states --cuda-graph-max-bs 16 || { status=1; continue; }
-           python3 tests/gpu/probe_dump.py --name graphs_1b --url $URL --dump-dir $HSDUMP_DUMP_DIR \
-             --model /tmp/m1b --out "$OUT" --radix > "$OUT/probe_graphs_1b.log" 2>&1 || status=1
-           tail -45 "$OUT/probe_graphs_1b.log"
+           GPU_CHECK_URL=$URL GPU_CHECK_STAGE=graphs_1b GPU_CHECK_MODEL=/tmp/m1b GPU_CHECK_RADIX=1 \
+             checks tests/gpu/test_dump.py > "$OUT/check_graphs_1b.log" 2>&1 || status=1
+           tail -30 "$OUT/check_graphs_1b.log"
            echo "prefill batches replayed as CUDA graphs: $(grep -c 'Prefill batch.*cuda graph: True' "$OUT/server_graphs_1b.log")" \
              "eager: $(grep -c 'Prefill batch.*cuda graph: False' "$OUT/server_graphs_1b.log")"
-           python3 tests/gpu/bench.py --server plugin-graphs --mode dump --url $URL --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" || status=1
+           python3 benchmarks/gpu_bench.py --server plugin-graphs --mode dump --url $URL --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" || status=1
            stop_server; unset HSDUMP_DUMP_DIR ;;
     kimi) make_kimi
            memory_root || { status=1; continue; }
            export HSDUMP_DUMP_DIR=$MEM/hsdump-kimi
            start_server kimi sglang.launch_server --model-path /tmp/kimi --enable-return-hidden-states || { status=1; continue; }
-           python3 tests/gpu/kimi.py --dump-dir $HSDUMP_DUMP_DIR --shm $MEM/kimi-store --out "$OUT" ${KIMI_ARGS:-} || status=1
+           python3 benchmarks/gpu_kimi.py --dump-dir $HSDUMP_DUMP_DIR --shm $MEM/kimi-store --out "$OUT" ${KIMI_ARGS:-} || status=1
            grep -hE "Traceback|hsdump.*(fail|error)" "$OUT/server_kimi.log" | head -10
            grep -h "hsdump" "$OUT/server_kimi.log" | tail -12
            stop_server; unset HSDUMP_DUMP_DIR ;;
-    kimi_ab) make_kimi  # server alone and dump-only under each plugin setting in $KIMI_AB (;-separated)
-           memory_root || { status=1; continue; }
-           export HSDUMP_DUMP_DIR=$MEM/hsdump-kimi
-           IFS=';' read -ra variants <<< "${KIMI_AB:-HSDUMP_PROFILE_S=0}"
-           for i in "${!variants[@]}"; do
-             v=${variants[$i]}
-             echo "--- $v"
-             export $v
-             if start_server kimi_ab$i sglang.launch_server --model-path /tmp/kimi --enable-return-hidden-states; then
-               python3 tests/gpu/kimi.py --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" --only-dump ${KIMI_ARGS:-} || status=1
-               grep -h "time per stage" "$OUT/server_kimi_ab$i.log" | tail -2 | cut -c1-300
-               stop_server
-             else
-               status=1
-             fi
-             for kv in $v; do unset "${kv%%=*}"; done
-           done ;;
-    two_servers) make_kimi  # two Kimi-sized servers on one GPU behind one hsdump command
-           pids=""; up=1
-           for i in 0 1; do
-             export HSDUMP_DUMP_DIR=/dev/shm/hsdump-two$i; PORT=$((30000 + i)); URL=http://127.0.0.1:$PORT
-             start_server two$i sglang.launch_server --model-path /tmp/kimi --enable-return-hidden-states \
-               --mem-fraction-static 0.3 || { up=0; status=1; break; }
-             pids="$pids $SP"
-           done
-           [ $up = 1 ] && { python3 tests/gpu/two_servers.py --out "$OUT" || status=1; }
-           kill $pids 2> /dev/null; wait $pids 2> /dev/null
-           PORT=30000; URL=http://127.0.0.1:$PORT; unset HSDUMP_DUMP_DIR ;;
     bench_plain) make_1b
            start_server bench_plain sglang.launch_server "${BENCH_ARGS[@]}" || { status=1; continue; }
-           python3 tests/gpu/bench.py --server alone --mode plain --url $URL --out "$OUT" || status=1
+           python3 benchmarks/gpu_bench.py --server alone --mode plain --url $URL --out "$OUT" || status=1
            stop_server ;;
   esac
 done

@@ -29,10 +29,40 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-import store_probe
-from bench import consume, dataset, plain
+from gpu_bench import consume, dataset, plain
 
 TOKENS, ROW_BYTES = 2048, 4 * 7168 * 2
+
+
+def random_samples(
+    n: int, seed: int, scale: tuple[float, float]
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``n`` random samples' aux and final bits, made on the GPU (std ``scale`` each)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for _ in range(n):
+        aux = torch.randn(TOKENS, 3, 7168, generator=g, device="cuda") * scale[0]
+        final = torch.randn(TOKENS, 7168, generator=g, device="cuda") * scale[1]
+        aux, final = aux.to(torch.bfloat16).cpu(), final.to(torch.bfloat16).cpu()
+        out.append((aux.view(torch.uint16).numpy(), final.view(torch.uint16).numpy()))
+    return out
+
+
+def as_states(data: list[tuple[np.ndarray, np.ndarray]], prefix: str) -> list:
+    """The samples' bits as bf16 `HiddenStates` (sample ids ``<prefix><i>``), without copying."""
+    from hsdump import HiddenStates
+
+    bf16 = torch.bfloat16
+    return [
+        HiddenStates(
+            sample_id=f"{prefix}{i}",
+            input_ids=torch.arange(TOKENS),
+            aux_hidden_states=torch.from_numpy(a).view(bf16),
+            final_hidden_state=torch.from_numpy(f).view(bf16),
+            layer_ids=[2, 4, 5],
+        )
+        for i, (a, f) in enumerate(data)
+    ]
 
 
 def log(out: Path, **record: object) -> None:
@@ -291,8 +321,8 @@ def _store_part(
     from hsdump._cores import switch_interval
 
     if source.startswith("random:"):
-        data = store_probe.samples(int(source.split(":")[1]) // workers, index, scale=(0.6, 0.3))
-        states = store_probe.as_states(data, prefix=f"r{index}-")
+        data = random_samples(int(source.split(":")[1]) // workers, index, scale=(0.6, 0.3))
+        states = as_states(data, prefix=f"r{index}-")
     else:
         with open_store(source, "r") as src:
             states = [src[sid] for sid in sorted(src)[index::workers]]

@@ -1,0 +1,86 @@
+"""The server a GPU check runs against, and how far its hidden states are from transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class GpuServer:
+    """A running SGLang server with the plugin, and what tests/gpu/run.sh started it with.
+
+    Attributes:
+        stage: run.sh's stage (``tiny_a``, ``tiny_b``, ``graphs_1b``), which names the records.
+        url: the server's base URL.
+        dump_dir: the plugin's dump root (``HSDUMP_DUMP_DIR``, which the server reads too).
+        model: the model folder the server loaded, for the transformers reference.
+        out: where the JSON records go (run.sh's ``$OUT``).
+        radix: whether the server's radix cache is on.
+        layers: the aux layer ids the stage configured, or None for the model's default.
+    """
+
+    stage: str
+    url: str
+    dump_dir: Path
+    model: Path
+    out: Path
+    radix: bool
+    layers: list[int] | None
+
+    @classmethod
+    def from_env(cls) -> GpuServer | None:
+        """The server run.sh names in ``GPU_CHECK_*`` and ``HSDUMP_DUMP_DIR``; None without one.
+
+        Raises:
+            KeyError: a server URL is given without its dump root or model.
+        """
+        url = os.environ.get("GPU_CHECK_URL")
+        if not url:
+            return None
+        layers = os.environ.get("GPU_CHECK_LAYERS")
+        return cls(
+            stage=os.environ.get("GPU_CHECK_STAGE", "gpu"),
+            url=url,
+            dump_dir=Path(os.environ["HSDUMP_DUMP_DIR"]),
+            model=Path(os.environ["GPU_CHECK_MODEL"]),
+            out=Path(os.environ.get("OUT", "/tmp/out")),
+            radix=os.environ.get("GPU_CHECK_RADIX") == "1",
+            layers=[int(x) for x in layers.split(",")] if layers else None,
+        )
+
+    def record(self, kind: str, result: dict[str, object]) -> None:
+        """Write ``result`` as ``$OUT/<kind>_<stage>.json``, the run's record of a check."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / f"{kind}_{self.stage}.json").write_text(json.dumps(result, indent=1))
+
+
+@dataclass
+class LayerDiffs:
+    """The largest difference from the reference, and the reference's scale, per layer name."""
+
+    per_layer: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def add(self, name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        """Fold one sample's ``got`` against its reference ``want`` (same shape) into ``name``."""
+        entry = self.per_layer.setdefault(name, {"max_abs_diff": 0.0, "max_abs_ref": 0.0})
+        diff = (got.float().cpu() - want.float().cpu()).abs().max().item()
+        entry["max_abs_diff"] = max(entry["max_abs_diff"], diff)
+        entry["max_abs_ref"] = max(entry["max_abs_ref"], want.abs().max().item())
+
+    def far_off(self, *names: str) -> list[str]:
+        """The layers (all, or ``names``) further from their reference than bf16 rounding explains.
+
+        Two kernels' bf16 roundings stay within 5% of the layer's scale; a neighbouring layer is
+        off by about its whole scale.
+        """
+        return [
+            f"{name}: max abs diff {e['max_abs_diff']:.4g} (reference scale {e['max_abs_ref']:.3g})"
+            for name, e in self.per_layer.items()
+            if (not names or name in names)
+            and e["max_abs_diff"] > 0.05 * max(1.0, e["max_abs_ref"])
+        ]
