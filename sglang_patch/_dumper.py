@@ -12,7 +12,7 @@ from hsdump._protocol import dtype_of_torch, dtype_spec
 from sglang_patch._config import PluginConfig
 from sglang_patch._plan import BatchPlan, ChunkPlanner
 from sglang_patch._staging import PinnedRing, Stager
-from sglang_patch._writer import DumpFormat, StageClock, WriterThread
+from sglang_patch._writer import DumpFormat, WriterThread
 
 __all__ = ["Dumper", "torch_dtype_name"]
 
@@ -51,7 +51,6 @@ class Dumper:
             submit=self.writer.submit_rows,
         )
         self._next_expiry = time.monotonic() + config.partial_ttl_s
-        self.clock = StageClock("scheduler")
         self.writer.start()
 
     def on_forward(self, batch: Any, logits_output: Any) -> None:
@@ -69,7 +68,6 @@ class Dumper:
                 self.planner.forget(piece.rid)
                 self.writer.submit_error(piece.rid, problem)
             return
-        started = time.perf_counter()
         try:
             for s in plan.slices:
                 self.stager.stage(
@@ -77,7 +75,6 @@ class Dumper:
                 )
         finally:
             self.stager.flush()
-            self.clock.add("stage", started)
 
     def describe(self) -> str:
         """How this rank stages, for the start-up log line."""

@@ -62,35 +62,6 @@ class DumpFormat:
         return (len(self.layer_ids) + 1) * self.hidden_size * dtype_itemsize(self.dtype)
 
 
-class StageClock:
-    """Seconds spent per stage, logged every ``HSDUMP_PROFILE_S`` seconds (unset: never).
-
-    ``HSDUMP_PROFILE_S`` is a development variable, not a setting: the GPU runs
-    (``tests/gpu/run.sh kimi_ab``, docs/performance.md) read the per-stage lines to find what
-    bounds the dump path. It is read here only.
-    """
-
-    def __init__(self, name: str):
-        self.name = name
-        self.interval_s = float(os.environ.get("HSDUMP_PROFILE_S") or 0)
-        self.seconds: dict[str, float] = {}
-        self._lock = threading.Lock()
-        self._next = time.monotonic() + self.interval_s
-
-    def add(self, stage: str, started: float) -> float:
-        """Add the time since ``started`` (a ``perf_counter``) to ``stage``; returns now."""
-        now = time.perf_counter()
-        if not self.interval_s:
-            return now
-        with self._lock:
-            self.seconds[stage] = self.seconds.get(stage, 0.0) + now - started
-            if time.monotonic() >= self._next:
-                self._next = time.monotonic() + self.interval_s
-                stages = ", ".join(f"{k} {v:.2f} s" for k, v in self.seconds.items())
-                logger.info("hsdump: %s time per stage so far: %s", self.name, stages)
-        return now
-
-
 class WriterThread:
     """Consumes staged pieces, errors and aborts in order, on a daemon thread.
 
@@ -106,8 +77,7 @@ class WriterThread:
         self._ledger = Ledger(config.dump_dir, fmt.producer, fmt.row_bytes)
         self._thread = threading.Thread(target=self._run, name="hsdump-writer", daemon=True)
         self._pool = ThreadPoolExecutor(config.write_threads, thread_name_prefix="hsdump-write")
-        self.clock = StageClock("writer")
-        self._publisher = _Publisher(self._ledger, fmt, release, self.clock, self._pool)
+        self._publisher = _Publisher(self._ledger, fmt, release, self._pool)
 
     def start(self) -> WriterThread:
         """Start the threads; returns self."""
@@ -146,9 +116,7 @@ class WriterThread:
 
     def _run(self) -> None:
         while True:
-            idle = time.perf_counter()
             kind, payload = self._queue.get()
-            self.clock.add("idle", idle)
             if kind == "stop":
                 return
             try:
@@ -168,14 +136,11 @@ class WriterThread:
 
     def _write_group(self, event: Any, pieces: list[Piece]) -> None:
         """Queue a group's rows on the pool; the publisher settles each piece in order."""
-        started = time.perf_counter()
         event.synchronize()
-        started = self.clock.add("cuda_wait", started)
         for piece in pieces:
             assembly = self._assembly_for(piece)
             futures = self._submit_writes(piece, assembly) if assembly is not None else []
             self._publisher.put(("piece", (piece, assembly, futures)))
-        self.clock.add("open", started)
 
     def _assembly_for(self, piece: Piece) -> Assembly | None:
         if piece.first:
@@ -255,10 +220,9 @@ class _Publisher:
         ledger: Ledger,
         fmt: DumpFormat,
         release: Any,
-        clock: StageClock,
         pool: ThreadPoolExecutor,
     ):
-        self._ledger, self._fmt, self._release, self.clock = ledger, fmt, release, clock
+        self._ledger, self._fmt, self._release = ledger, fmt, release
         self._pool = pool
         self._publishing: set[Future[None]] = set()
         self._publishing_lock = threading.Lock()  # done callbacks run on pool threads
@@ -295,12 +259,10 @@ class _Publisher:
                 logger.exception("hsdump: publishing a piece failed")
 
     def _settle(self, piece: Piece, assembly: Assembly | None, futures: list[Future[None]]) -> None:
-        started = time.perf_counter()
         try:
             wait(futures)
         finally:
             self._release(piece.block)
-        started = self.clock.add("write", started)
         if assembly is None:
             return
         if self._ledger.settle(piece.rid, assembly, _write_error(piece, futures)):
@@ -308,19 +270,16 @@ class _Publisher:
                 future = self._pool.submit(self._publish, piece.rid, assembly)
                 self._publishing.add(future)
             future.add_done_callback(self._published)
-        self.clock.add("settle", started)
 
     def _published(self, future: Future[None]) -> None:
         with self._publishing_lock:
             self._publishing.discard(future)
 
     def _publish(self, rid: str, assembly: Assembly) -> None:
-        started = time.perf_counter()
         try:
             self._publish_now(rid, assembly)
         except Exception:  # on the pool: nobody else would see it
             logger.exception("hsdump: publishing %s failed", rid)
-        self.clock.add("publish", started)
 
     def _publish_now(self, rid: str, assembly: Assembly) -> None:
         fmt, t = self._fmt, assembly.writer.num_tokens
