@@ -17,7 +17,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import hsdump._mapped as mapped
 from hsdump import (
     DegenerateValues,
     DtypeMismatch,
@@ -26,9 +25,10 @@ from hsdump import (
     Sample,
     ShapeMismatch,
 )
-from hsdump._client import validate
+from hsdump._client import dumpfiles
+from hsdump._client.dumpfiles import read_checked
 from hsdump._client.loading import load_dump
-from hsdump._client.validate import Expected, read_checked
+from hsdump._client.validate import Expected
 from hsdump._protocol import DTYPES, DumpMeta, ProducerInfo, write_dump
 
 
@@ -140,9 +140,9 @@ def test_the_pages_of_a_dropped_dump_are_freed_in_a_thread_of_their_own(
         closed_in.append(threading.current_thread().name)
         os.close(fd)
 
-    monkeypatch.setattr(mapped, "_close", close)
+    monkeypatch.setattr(dumpfiles, "_close", close)
     file = _drop_a_removed_dump(tmp_path)
-    mapped.released()
+    dumpfiles.released()
     assert closed_in and threading.current_thread().name not in closed_in
     assert not _held(file)  # its last descriptor closed: the kernel has freed its pages
 
@@ -167,13 +167,13 @@ def test_a_mapping_dropped_while_its_thread_holds_a_pool_lock_does_not_deadlock(
     thread = threading.Thread(target=drop_holding_the_lock, daemon=True)
     thread.start()
     assert dropped.wait(timeout=20)
-    mapped.released()
+    dumpfiles.released()
     assert not _held(file)
 
 
 def _drop_in_a_fork(tmp: str, done: multiprocessing.SimpleQueue) -> None:
     file = _drop_a_removed_dump(Path(tmp))
-    mapped.released()
+    dumpfiles.released()
     done.put(_held(file))
 
 
@@ -182,7 +182,7 @@ def test_a_forked_process_frees_the_pages_it_drops(tmp_path: Path) -> None:
     ours.mkdir()
     theirs.mkdir()
     _drop_a_removed_dump(ours)
-    mapped.released()  # this process's closing thread runs: the fork inherits it, not its thread
+    dumpfiles.released()  # this process's closing thread runs: the fork inherits it, not its thread
     context = multiprocessing.get_context("fork")
     done = context.SimpleQueue()
     child = context.Process(target=_drop_in_a_fork, args=(str(theirs), done))
@@ -203,7 +203,7 @@ def test_writing_to_a_mapped_array_leaves_the_file_as_it_was(tmp_path: Path) -> 
 def test_where_a_mapping_cannot_be_filled_the_file_is_read_and_checked(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(validate, "_MADV_POPULATE_READ", 0x7FFF)  # advice the kernel refuses
+    monkeypatch.setattr(dumpfiles, "_MADV_POPULATE_READ", 0x7FFF)  # advice the kernel refuses
     file, bits = _ones_file(tmp_path)
     read = read_checked(file, bits.shape, "bfloat16", "aux", rid="hsdump-r")
     assert np.array_equal(read, bits) and not _mapped(file)
@@ -213,18 +213,18 @@ def test_where_a_mapping_cannot_be_filled_the_file_is_read_and_checked(
         read_checked(file, bits.shape, "bfloat16", "aux", rid="hsdump-r")
 
 
-@pytest.mark.parametrize("advice", [validate._MADV_POPULATE_READ, 0x7FFF])
+@pytest.mark.parametrize("advice", [dumpfiles._MADV_POPULATE_READ, 0x7FFF])
 def test_a_file_cut_short_after_its_size_was_checked_is_refused_not_a_crash(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, advice: int
 ) -> None:
-    checked = validate.check_file_size
+    checked = dumpfiles.check_file_size
 
     def check_then_cut(file: Path, *args: object, **kwargs: object) -> None:
         checked(file, *args, **kwargs)  # type: ignore[arg-type]
         os.truncate(file, 1000)
 
-    monkeypatch.setattr(validate, "check_file_size", check_then_cut)
-    monkeypatch.setattr(validate, "_MADV_POPULATE_READ", advice)
+    monkeypatch.setattr(dumpfiles, "check_file_size", check_then_cut)
+    monkeypatch.setattr(dumpfiles, "_MADV_POPULATE_READ", advice)
     file, bits = _ones_file(tmp_path)
     with pytest.raises(DumpValidationError, match="shrank") as info:
         read_checked(file, bits.shape, "bfloat16", "aux", sample_id="s1", rid="hsdump-r")
