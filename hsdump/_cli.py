@@ -529,7 +529,7 @@ def extract(
 
 def _warn_small_pages(roots: Sequence[Path | None]) -> None:
     """Warn about each dump root on a tmpfs with 4 KB pages (the server's log says so too)."""
-    from hsdump._memfs import small_page_warning
+    from hsdump._protocol import small_page_warning
 
     for root in roots:
         warning = None if root is None else small_page_warning(root)

@@ -13,8 +13,14 @@
   Every test runs under asyncio and under trio; a watcher for one event loop only narrows
   ``backends`` (``backends = ("asyncio",)``), and the other's tests are skipped, as they are
   where trio is not installed.
+- `MemorySink`: a `SampleSink` in memory, for tests of an extraction run without a store.
+- `cli_app`: the ``hsdump`` command's Typer app, for ``typer.testing.CliRunner``.
+- `build_default_model`: the reference server's small random Llama, built from a config.
+- `publish`, `read_dump`, `request_dir`: writing and reading dumps as the protocol lays them out.
+- `small_page_tmpfs`: whether a path lies on a tmpfs with 4 KB pages only.
 
-Requires pytest and anyio's pytest plugin (bundled with anyio).
+Importing this module needs neither pytest nor torch; `DumpWatcherTests` needs pytest and
+anyio's pytest plugin (bundled with anyio), and is loaded on first use.
 """
 
 from __future__ import annotations
@@ -22,27 +28,59 @@ from __future__ import annotations
 import importlib.util
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import anyio
-import pytest
 from anyio.abc import TaskGroup
 
 from hsdump._client.watcher import DumpWatcher
-from hsdump._exceptions import DumpTimeout, InvalidRequestId
-from hsdump._protocol import DumpWriter, ProducerInfo, request_dir, write_error
+from hsdump._exceptions import (
+    DumpTimeout,
+    DumpValidationError,
+    HsdumpError,
+    InvalidRequestId,
+    SampleExistsError,
+)
+from hsdump._memfs import small_page_tmpfs
+from hsdump._protocol import (
+    Capabilities,
+    DumpWriter,
+    ProducerInfo,
+    dtype_of_torch,
+    request_dir,
+    value_error,
+    write_error,
+)
 from hsdump._servers.fake import FakeEngine, FakeServer, Fault, FaultKind, fake_states
+from hsdump._types import HiddenStates, Sample
+
+if TYPE_CHECKING:
+    import pytest
+    import typer
+    from transformers import PreTrainedModel
+
+    from hsdump._store.part import Refused
+
+    #: The ``hsdump`` command's Typer app (loaded on first use).
+    cli_app: typer.Typer
 
 __all__ = [
+    "Capabilities",
     "DumpWatcherTests",
     "FakeEngine",
     "FakeServer",
     "Fault",
     "FaultKind",
+    "MemorySink",
+    "build_default_model",
+    "cli_app",
     "fake_states",
     "publish",
+    "read_dump",
+    "request_dir",
+    "small_page_tmpfs",
 ]
 
 _PRODUCER = ProducerInfo(name="hsdump-testing", version="1")
@@ -69,8 +107,11 @@ def _fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-class DumpWatcherTests:
-    """Behaviour every DumpWatcher implementation must have, under each anyio backend."""
+class _DumpWatcherSuite:
+    """Behaviour every DumpWatcher implementation must have, under each anyio backend.
+
+    `DumpWatcherTests` adds the pytest fixtures and marks; this class holds the tests.
+    """
 
     #: The anyio backends the watcher under test supports.
     backends: ClassVar[tuple[str, ...]] = ("asyncio", "trio")
@@ -79,18 +120,18 @@ class DumpWatcherTests:
         """Return the watcher under test for dump root ``root``."""
         raise NotImplementedError
 
-    @pytest.fixture(params=["asyncio", "trio"])
-    def anyio_backend(self, request: pytest.FixtureRequest) -> str:
-        backend: str = request.param
+    def _backend(self, backend: str) -> str:
+        """``backend`` if this suite runs under it; else the test is skipped."""
+        import pytest
+
         if backend not in self.backends:
             pytest.skip(f"{type(self).__name__} does not support {backend}")
         if importlib.util.find_spec(backend) is None:
             pytest.skip(f"{backend} is not installed")
         return backend
 
-    @pytest.fixture
-    async def watcher(self, tmp_path: Path):  # type: ignore[no-untyped-def]
-        w = self.make_watcher(tmp_path)
+    async def _watcher(self, root: Path) -> AsyncIterator[DumpWatcher]:
+        w = self.make_watcher(root)
         yield w
         await w.aclose()
 
@@ -98,7 +139,6 @@ class DumpWatcherTests:
     def rid() -> str:
         return f"hsdump-test-{uuid.uuid4().hex[:12]}"
 
-    @pytest.mark.anyio
     async def test_returns_when_dump_published_after_wait_began(self, watcher: DumpWatcher) -> None:
         rid = self.rid()
         async with anyio.create_task_group() as tg:
@@ -107,7 +147,6 @@ class DumpWatcherTests:
             await wait.returned.wait()
         assert wait.path == request_dir(watcher.root, rid)
 
-    @pytest.mark.anyio
     async def test_returns_at_once_when_dump_published_before_wait(
         self, watcher: DumpWatcher
     ) -> None:
@@ -116,7 +155,6 @@ class DumpWatcherTests:
         with anyio.fail_after(1):
             assert await watcher.wait(rid, timeout=5) == request_dir(watcher.root, rid)
 
-    @pytest.mark.anyio
     async def test_returns_on_error_marker(self, watcher: DumpWatcher) -> None:
         rid = self.rid()
         async with anyio.create_task_group() as tg:
@@ -125,7 +163,6 @@ class DumpWatcherTests:
             await wait.returned.wait()
         assert wait.path is not None and (wait.path / "error").exists()
 
-    @pytest.mark.anyio
     async def test_waits_for_marker_when_directory_appears_first(
         self, watcher: DumpWatcher
     ) -> None:
@@ -138,7 +175,6 @@ class DumpWatcherTests:
             await _produce((path / "done").touch)
             await wait.returned.wait()
 
-    @pytest.mark.anyio
     async def test_waits_for_marker_after_files_written_in_place(
         self, watcher: DumpWatcher
     ) -> None:
@@ -154,7 +190,6 @@ class DumpWatcherTests:
             await _produce((path / "done").touch)
             await wait.returned.wait()
 
-    @pytest.mark.anyio
     async def test_sees_a_marker_written_right_after_its_directory(
         self, watcher: DumpWatcher
     ) -> None:
@@ -174,7 +209,6 @@ class DumpWatcherTests:
             for wait in waits:
                 await wait.returned.wait()
 
-    @pytest.mark.anyio
     async def test_waits_for_marker_in_a_directory_made_before_the_wait(
         self, watcher: DumpWatcher
     ) -> None:
@@ -189,7 +223,6 @@ class DumpWatcherTests:
             await _produce((path / "done").touch)
             await wait.returned.wait()
 
-    @pytest.mark.anyio
     async def test_other_requests_dumps_do_not_end_the_wait(self, watcher: DumpWatcher) -> None:
         mine, before, during = self.rid(), self.rid(), self.rid()
         publish(watcher.root, before)
@@ -201,16 +234,16 @@ class DumpWatcherTests:
             await wait.returned.wait()
         assert wait.path == request_dir(watcher.root, mine)
 
-    @pytest.mark.anyio
     async def test_timeout_raises_dump_timeout_naming_the_request(
         self, watcher: DumpWatcher
     ) -> None:
+        import pytest
+
         rid = self.rid()
         with pytest.raises(DumpTimeout, match=rid) as info:
             await watcher.wait(rid, timeout=0.1)
         assert isinstance(info.value, TimeoutError)
 
-    @pytest.mark.anyio
     async def test_many_concurrent_waits_complete_in_any_order(self, watcher: DumpWatcher) -> None:
         rids = [self.rid() for _ in range(20)]
         done: list[str] = []
@@ -227,10 +260,11 @@ class DumpWatcherTests:
             await _produce(lambda: [publish(watcher.root, rid) for rid in reversed(rids)])
         assert sorted(done) == sorted(rids)
 
-    @pytest.mark.anyio
     async def test_cancelled_and_timed_out_waits_leave_nothing_behind(
         self, watcher: DumpWatcher
     ) -> None:
+        import pytest
+
         await _warm_up(watcher)
         fds, tasks = _fd_count(), len(anyio.get_running_tasks())
         for _ in range(30):
@@ -242,7 +276,6 @@ class DumpWatcherTests:
         assert _fd_count() == fds
         assert len(anyio.get_running_tasks()) == tasks
 
-    @pytest.mark.anyio
     async def test_a_cancelled_wait_leaves_the_other_waits_seeing_their_dumps(
         self, watcher: DumpWatcher
     ) -> None:
@@ -260,13 +293,13 @@ class DumpWatcherTests:
             with anyio.fail_after(5):
                 await waits[1].returned.wait()
 
-    @pytest.mark.anyio
     async def test_refuses_a_rid_that_would_escape_the_root(self, watcher: DumpWatcher) -> None:
+        import pytest
+
         for bad in ("../etc", "a/b", "", ".hidden"):
             with pytest.raises(InvalidRequestId):
                 await watcher.wait(bad, timeout=0.1)
 
-    @pytest.mark.anyio
     async def test_closing_releases_file_handles(self, tmp_path: Path) -> None:
         fds = _fd_count()
         w = self.make_watcher(tmp_path)

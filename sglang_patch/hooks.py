@@ -29,8 +29,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hsdump._memfs import small_page_warning
-from hsdump._protocol import Capabilities, ProducerInfo, ProducerManifest, write_manifest
+from hsdump._protocol import (
+    Capabilities,
+    ProducerInfo,
+    ProducerManifest,
+    small_page_warning,
+    write_manifest,
+)
 from sglang_patch._config import PluginConfig, load_config
 
 __all__ = [

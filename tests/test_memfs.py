@@ -13,8 +13,8 @@ import pytest
 import test_sglang_patch_hooks as harness
 from test_sglang_patch_source import _download
 
-import hsdump._memfs as memfs
-from hsdump._memfs import small_page_tmpfs
+import hsdump._protocol._memfs as memfs
+from hsdump._protocol._memfs import small_page_tmpfs
 
 NEVER = "always within_size advise [never] deny force"
 
@@ -165,7 +165,7 @@ def test_the_writing_rank_warns_once_at_start_up_about_a_4kb_tmpfs(
     (tmp_path / "shmem_enabled").write_text(NEVER + "\n")
     # The stand-in server reads the mount table and the shmem setting from these files.
     prelude = (
-        "import hsdump._memfs as memfs, pathlib\n"
+        "import hsdump._protocol._memfs as memfs, pathlib\n"
         f"memfs.MOUNTS_FILE = pathlib.Path({str(tmp_path / 'mounts')!r})\n"
         f"memfs.SHMEM_ENABLED_FILE = pathlib.Path({str(tmp_path / 'shmem_enabled')!r})\n"
     )

@@ -443,8 +443,7 @@ def test_plugin_modules_import_without_the_clients_dependencies() -> None:
     assert out.stdout.strip() == "[]"
 
 
-def test_the_plugin_imports_from_hsdump_only_the_protocol_and_memfs() -> None:
-    """_memfs (standard library only) holds the small-page warning it shares with the client."""
+def test_the_plugin_imports_from_hsdump_only_the_protocol() -> None:
     imported = set()
     for path in Path(sglang_patch.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -453,7 +452,7 @@ def test_the_plugin_imports_from_hsdump_only_the_protocol_and_memfs() -> None:
             elif isinstance(node, ast.Import):
                 imported.update(alias.name for alias in node.names)
     from_hsdump = {name for name in imported if name.split(".")[0] == "hsdump"}
-    assert from_hsdump == {"hsdump._protocol", "hsdump._memfs"}
+    assert from_hsdump == {"hsdump._protocol"}
 
 
 def test_the_plugin_is_inert_without_a_dump_root(monkeypatch) -> None:

@@ -160,7 +160,6 @@ class HiddenStateClient:
         expected_layer_ids: Refuse dumps of other aux layers (default: the producer manifest's).
         dump_budget_bytes: Most bytes of requested-but-not-ingested dumps (default: half of the
             free space of the dump root's filesystem).
-        rid_prefix: The opt-in prefix the producer dumps (must match the server's setting).
         stale_after: Age in seconds after which orphaned dumps of unknown owners are removed.
         http_client: An ``httpx.AsyncClient`` to use instead of a private one (not closed here).
         gate: An async context manager held while a request is at the server, instead of this
@@ -189,7 +188,6 @@ class HiddenStateClient:
         watcher: DumpWatcher | str | None = None,
         expected_layer_ids: list[int] | None = None,
         dump_budget_bytes: int | None = None,
-        rid_prefix: str = DEFAULT_RID_PREFIX,
         stale_after: float = 3600.0,
         http_client: httpx.AsyncClient | None = None,
         gate: AbstractAsyncContextManager[Any] | None = None,
@@ -204,7 +202,7 @@ class HiddenStateClient:
         self.max_in_flight = max_in_flight
         self.request_timeout = request_timeout
         self.dump_timeout = dump_timeout
-        self.rid_prefix = rid_prefix
+        self.rid_prefix = DEFAULT_RID_PREFIX  # the opt-in prefix every producer dumps
         self.stale_after = stale_after
         self.probe = probe
         self.stats = ClientStats()

@@ -34,6 +34,7 @@ from hsdump._protocol._dtypes import (
     dtype_of_torch,
     dtype_spec,
 )
+from hsdump._protocol._memfs import small_page_tmpfs, small_page_warning
 from hsdump._protocol._models import (
     Capabilities,
     DumpErrorInfo,
@@ -121,6 +122,8 @@ __all__ = [
     "remove_dump",
     "request_dir",
     "row_moments",
+    "small_page_tmpfs",
+    "small_page_warning",
     "spot_rows",
     "validate_rid",
     "value_error",
