@@ -95,8 +95,8 @@ class HiddenStates:
         meta: The dump's metadata when it came from a server, else None.
         attrs: Free-form provenance (for example, what the store recorded).
         values_checked: False when the values have not been checked yet (finite, no vector of
-            all zeros): `HiddenStateClient.extract` with ``defer_value_checks=True`` leaves that
-            check to the `HiddenStateStore` that writes them, which refuses such a sample.
+            all zeros): an extraction run leaves that check to the `HiddenStateStore` that writes
+            them, which refuses such a sample. `HiddenStateClient.extract` always checks them.
         row_moments: Optional float32 ``[T, K + 1, 2]``: the sum and the sum of squares of each
             aux vector and then the final one, as the producer declared them (``moments.bin``,
             checked against the values on a few rows). A `HiddenStateStore` takes its per-layer
