@@ -43,13 +43,13 @@ from hsdump._exceptions import (
     InvalidRequestId,
     SampleExistsError,
 )
-from hsdump._memfs import small_page_tmpfs
 from hsdump._protocol import (
     Capabilities,
     DumpWriter,
     ProducerInfo,
     dtype_of_torch,
     request_dir,
+    small_page_tmpfs,
     value_error,
     write_error,
 )
@@ -129,11 +129,6 @@ class _DumpWatcherSuite:
         if importlib.util.find_spec(backend) is None:
             pytest.skip(f"{backend} is not installed")
         return backend
-
-    async def _watcher(self, root: Path) -> AsyncIterator[DumpWatcher]:
-        w = self.make_watcher(root)
-        yield w
-        await w.aclose()
 
     @staticmethod
     def rid() -> str:
@@ -344,3 +339,208 @@ async def _produce(step: Callable[[], object]) -> None:
     """
     await anyio.to_thread.run_sync(step)
     await anyio.wait_all_tasks_blocked()
+
+
+def _dump_watcher_tests() -> type[_DumpWatcherSuite]:
+    """`DumpWatcherTests`: the suite with its pytest fixtures and marks (imports pytest)."""
+    import pytest
+
+    class DumpWatcherTests(_DumpWatcherSuite):
+        """Behaviour every DumpWatcher implementation must have, under each anyio backend.
+
+        Subclass it and define `make_watcher`; narrow `backends` for a watcher of one event loop.
+        """
+
+        pytestmark: ClassVar[list[pytest.MarkDecorator]] = [pytest.mark.anyio]
+
+        @pytest.fixture(params=["asyncio", "trio"])
+        def anyio_backend(self, request: pytest.FixtureRequest) -> str:
+            return self._backend(request.param)
+
+        @pytest.fixture
+        async def watcher(self, tmp_path: Path) -> AsyncIterator[DumpWatcher]:
+            w = self.make_watcher(tmp_path)
+            yield w
+            await w.aclose()
+
+    DumpWatcherTests.__module__ = __name__
+    return DumpWatcherTests
+
+
+if TYPE_CHECKING:
+    #: The conformance suite every `DumpWatcher` passes (loaded on first use: it needs pytest).
+    DumpWatcherTests = _DumpWatcherSuite
+
+
+def __getattr__(name: str) -> Any:
+    """`DumpWatcherTests` and `cli_app`, loaded on first use."""
+    if name == "DumpWatcherTests":
+        value: Any = _dump_watcher_tests()
+    elif name == "cli_app":
+        from hsdump._cli import app as value
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+class MemorySink:
+    """A `SampleSink` in memory: what `run_extraction` commits to in a test that needs no store.
+
+    It answers a run as a `HiddenStateStore` does: a sample is in the sink once its write
+    returns, a second write of its id raises `SampleExistsError`, `token_mismatch` compares a
+    dataset sample with the tokens written under its id, and a sample handed over with its values
+    unchecked (`HiddenStates.values_checked` False, as a run hands over a `HiddenStateClient`'s
+    dumps) is checked as a store's placement checks it: one that fails is not committed and is
+    reported once by `take_refused`. The byte counters move at `aflush`, as a store's move when
+    it writes a shard. One write at a time: a run hands a sink other than a store no more.
+
+    Args:
+        committed: Samples the sink holds before a run, as a store written earlier would.
+        compression: Raw bytes per stored byte, for `bytes_stored`.
+
+    Attributes:
+        samples: The states of each sample written, by id.
+        writes: The ids committed, in the order their writes returned.
+        flushes: How many times `aflush` ran.
+        refuse: Errors `awrite` raises for these sample ids instead of writing them: a
+            `StoreError` stops a run, any other `HsdumpError` fails that sample alone.
+    """
+
+    def __init__(self, committed: Iterable[Sample] = (), *, compression: float = 2.0) -> None:
+        self.samples: dict[str, HiddenStates] = {}
+        self.writes: list[str] = []
+        self.flushes = 0
+        self.refuse: dict[str, HsdumpError] = {}
+        self.compression = compression
+        self._tokens = {s.id: _tokens_of(s.input_ids, s.loss_mask) for s in committed}
+        self._buffered = self._raw = 0
+        self._refused: list[Refused] = []
+
+    def __contains__(self, sample_id: object) -> bool:
+        return sample_id in self._tokens
+
+    async def awrite(self, states: HiddenStates) -> None:
+        """Commit ``states``, or raise what `refuse` holds for its id.
+
+        Raises:
+            SampleExistsError: The sink holds the id.
+        """
+        from hsdump._store.part import Refused
+
+        sample_id = states.sample_id
+        if sample_id in self.refuse:
+            raise self.refuse[sample_id]
+        if sample_id in self._tokens:
+            raise SampleExistsError("already in the sink", sample_id=sample_id)
+        error = None if states.values_checked else _value_error(states)
+        if error is not None:
+            self._refused.append(Refused(sample_id, states.num_tokens, states.nbytes, error))
+            return
+        mask = None if states.loss_mask is None else states.loss_mask.tolist()
+        self._tokens[sample_id] = _tokens_of(states.input_ids.tolist(), mask)
+        self.samples[sample_id] = states
+        self.writes.append(sample_id)
+        self._buffered += states.nbytes
+
+    async def aflush(self) -> None:
+        """Count the samples written since the last flush as stored."""
+        self.flushes += 1
+        self._raw += self._buffered
+        self._buffered = 0
+
+    def token_mismatch(self, sample: Sample) -> str | None:
+        """How the tokens written under ``sample.id`` differ from ``sample``'s; None when they do
+        not, or when the id is not in the sink."""
+        stored = self._tokens.get(sample.id)
+        given = _tokens_of(sample.input_ids, sample.loss_mask)
+        if stored is None or stored == given:
+            return None
+        return f"stored {_describe(stored)} != dataset {_describe(given)}"
+
+    def take_refused(self) -> Sequence[Refused]:
+        """The unchecked samples whose values were refused since the last call."""
+        refused, self._refused = self._refused, []
+        return refused
+
+    @property
+    def bytes_raw_written(self) -> int:
+        """Raw bytes of the samples flushed so far."""
+        return self._raw
+
+    @property
+    def bytes_stored(self) -> int:
+        """``bytes_raw_written`` divided by ``compression``."""
+        return int(self._raw / self.compression)
+
+
+_Tokens = tuple[tuple[int, ...], tuple[int, ...] | None]
+
+
+def _tokens_of(ids: Iterable[int], mask: Iterable[int] | None) -> _Tokens:
+    return tuple(ids), None if mask is None else tuple(mask)
+
+
+def _describe(tokens: _Tokens) -> str:
+    ids, mask = tokens
+    return f"{len(ids)} tokens, {'no' if mask is None else 'with'} loss mask"
+
+
+def _value_error(states: HiddenStates) -> DumpValidationError | None:
+    """What a store's placement refuses an unchecked sample for: the aux rows first."""
+    spec = dtype_of_torch(states.final_hidden_state.dtype)
+    rid = states.meta.rid if states.meta is not None else None
+    for name, tensor in (
+        ("aux_hidden_states", states.aux_hidden_states),
+        ("final_hidden_state", states.final_hidden_state),
+    ):
+        peaks = spec.peak_magnitude(spec.bits_of(tensor), axis=-1)
+        error = value_error(peaks, spec, name=name, sample_id=states.sample_id, rid=rid)
+        if error is not None:
+            return error
+    return None
+
+
+def build_default_model(seed: int = 0, **overrides: Any) -> PreTrainedModel:
+    """The small random Llama the reference server serves when given no model: built from a
+    config with a fixed seed, so equal seeds give equal weights (no download; imports torch and
+    transformers).
+
+    Args:
+        seed: The torch seed the weights are initialised with.
+        **overrides: ``LlamaConfig`` fields replacing the built-in ones (``hidden_size``,
+            ``num_hidden_layers``, ``vocab_size``...), for a smaller or a different model.
+    """
+    from hsdump._servers.reference import build_default_model as build
+
+    return build(seed, **overrides)
+
+
+def read_dump(path: str | os.PathLike[str]) -> HiddenStates:
+    """Read and check the published dump at ``path`` (``request_dir(root, rid)``) as a client
+    reads one, without asking whose it is.
+
+    Returns:
+        Its states: ``sample_id`` is the dump's rid, ``meta`` its ``meta.json``; the tensors
+        view the dump's files.
+
+    Raises:
+        DumpFailed: The producer published an ``error`` marker.
+        DumpValidationError: The dump is incomplete or malformed, or a value is non-finite or
+            a vector all zeros.
+    """
+    import torch
+
+    from hsdump._client.loading import read_dump as read
+    from hsdump._client.loading import to_torch
+
+    dump = read(path)
+    meta = dump.meta
+    return HiddenStates(
+        sample_id=meta.rid,
+        input_ids=torch.tensor(meta.input_ids, dtype=torch.int64),
+        aux_hidden_states=to_torch(dump.aux, meta.dtype),
+        final_hidden_state=to_torch(dump.final, meta.dtype),
+        layer_ids=list(meta.layer_ids),
+        meta=meta,
+    )
