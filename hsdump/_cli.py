@@ -400,7 +400,7 @@ def default_workers() -> int:
 
     Each process sizes its thread pools by its share of the cores (``HSDUMP_CORES``). Measured
     at H=7168 on a 16-core H200 host: two store processes of 8 cores each stored 25.4k tok/s,
-    four of 4 cores 17.2k (run G in docs/performance.md).
+    four of 4 cores 17.2k.
     """
     return max(1, min(8, (os.cpu_count() or 1) // 8))
 

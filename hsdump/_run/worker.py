@@ -109,7 +109,7 @@ def worker_main(spec: WorkerSpec, conn: Any) -> None:
     _die_with_parent(spec.parent_pid)
     _locks_leave_nothing_in_shm()
     # This process is hsdump's own: its placement threads wait up to one switch interval for the
-    # interpreter lock after each numpy call (docs/performance.md, "switch interval").
+    # interpreter lock after each numpy call (docs/changelog.md, "Experiment modes retired").
     sys.setswitchinterval(EXTRACTION_SWITCH_INTERVAL_S)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent coordinates a stop
     try:
