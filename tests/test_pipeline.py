@@ -20,42 +20,19 @@ from hsdump import (
     Failure,
     HiddenStateClient,
     HiddenStates,
+    HiddenStateStore,
     InputError,
+    RunOptions,
     Sample,
     StoreError,
+    open_store,
     run_extraction,
 )
-from hsdump._run.pipeline import QUEUES, failures_path_for
-from hsdump.testing import FakeServer, Fault
+from hsdump.testing import FakeServer, Fault, MemorySink
 
 pytestmark = pytest.mark.anyio
 NO_WAIT = Backoff(initial=0.0, jitter=0.0)
-
-
-class MemoryStore:
-    """The store's write seam, in memory: commits whole samples, counts bytes."""
-
-    def __init__(self, committed: tuple[str, ...] = ()):
-        self.samples: dict[str, HiddenStates] = dict.fromkeys(committed)  # type: ignore[arg-type]
-        self.writes: list[str] = []
-        self.bytes_raw = self.bytes_stored = self.pending = self.flushes = 0
-        self.refuse: dict[str, Exception] = {}
-
-    def __contains__(self, sample_id: object) -> bool:
-        return sample_id in self.samples
-
-    async def awrite(self, states: HiddenStates) -> None:
-        if states.sample_id in self.refuse:
-            raise self.refuse[states.sample_id]
-        self.samples[states.sample_id] = states
-        self.writes.append(states.sample_id)
-        self.pending += states.nbytes
-
-    async def aflush(self) -> None:
-        self.flushes += 1
-        self.bytes_raw += self.pending
-        self.bytes_stored += self.pending // 2
-        self.pending = 0
+QUEUES = {"slot_wait", "ingest_queue", "store_queue"}
 
 
 def _samples(n: int) -> list[Sample]:
@@ -73,11 +50,12 @@ async def _run(server, store, samples, **options):
     async with HiddenStateClient(
         server.url, dump_dir=server.dump_dir, dump_timeout=5, probe=False
     ) as client:
-        return await run_extraction(samples, client=client, store=store, backoff=NO_WAIT, **options)
+        run = RunOptions(backoff=NO_WAIT, **options)
+        return await run_extraction(samples, client=client, store=store, options=run)
 
 
 async def test_every_sample_is_committed_once_under_its_own_id(server):
-    store = MemoryStore()
+    store = MemorySink()
     summary = await _run(server, store, _samples(4))
     assert sorted(store.writes) == ["s0", "s1", "s2", "s3"] and summary.ok
     assert all(store.samples[f"s{i}"].input_ids.tolist() == [i + 1] * (i + 2) for i in range(4))
@@ -86,15 +64,16 @@ async def test_every_sample_is_committed_once_under_its_own_id(server):
 
 
 async def test_committed_samples_are_skipped_and_not_requested(server):
-    store = MemoryStore(committed=("s0", "s2"))
-    summary = await _run(server, store, _samples(4))
+    samples = _samples(4)
+    store = MemorySink(committed=samples[0::2])
+    summary = await _run(server, store, samples)
     assert store.writes == ["s1", "s3"] and summary.skipped == 2 and summary.samples_total == 2
     assert len(server.received) == 2
 
 
 async def test_a_transient_failure_is_retried_with_a_fresh_request(server):
     server.inject(Fault("http_500"), Fault("error_marker"))
-    store = MemoryStore()
+    store = MemorySink()
     summary = await _run(server, store, _samples(1), retries=2)
     rids = [r.rid for r in server.received]
     assert store.writes == ["s0"] and summary.retries == 2 and summary.ok
@@ -104,7 +83,7 @@ async def test_a_transient_failure_is_retried_with_a_fresh_request(server):
 async def test_a_sample_that_keeps_failing_is_recorded_and_the_run_goes_on(server, tmp_path):
     s0 = _samples(1)[0]
     server.engine.fault_for = lambda rid, ids: Fault("http_500") if ids == s0.input_ids else None
-    store, failures = MemoryStore(), tmp_path / "f.jsonl"
+    store, failures = MemorySink(), tmp_path / "f.jsonl"
     summary = await _run(
         server, store, _samples(2), retries=2, failures_path=failures, line_numbers={"s0": 7}
     )
@@ -116,7 +95,7 @@ async def test_a_sample_that_keeps_failing_is_recorded_and_the_run_goes_on(serve
 
 async def test_a_permanent_failure_is_not_retried(server, tmp_path):
     server.inject(Fault("nan"))
-    summary = await _run(server, MemoryStore(), _samples(2), retries=3)
+    summary = await _run(server, MemorySink(), _samples(2), retries=3)
     assert [(f.sample_id, f.error, f.attempts) for f in summary.failures] == [
         ("s0", "NonFiniteValues", 1)
     ]
@@ -125,20 +104,20 @@ async def test_a_permanent_failure_is_not_retried(server, tmp_path):
 
 async def test_fail_fast_stops_at_the_first_failure(server):
     server.inject(Fault("http_400"))
-    store = MemoryStore()
+    store = MemorySink()
     summary = await _run(server, store, _samples(3), fail_fast=True)
     assert store.writes == [] and len(summary.failures) == 1 and summary.interrupted
 
 
 async def test_a_sample_the_store_refuses_fails_alone_and_the_run_goes_on(server):
-    store = MemoryStore()
+    store = MemorySink()
     store.refuse["s1"] = InputError("shapes do not fit", sample_id="s1")
     summary = await _run(server, store, _samples(3))
     assert store.writes == ["s0", "s2"] and [f.error for f in summary.failures] == ["InputError"]
 
 
 async def test_a_store_error_stops_the_run_at_once_and_keeps_what_was_committed(server, tmp_path):
-    store, samples = MemoryStore(), _samples(10)
+    store, samples = MemorySink(), _samples(10)
     store.refuse["s1"] = StoreError("no space left on the device")
     failures = tmp_path / "f.jsonl"
     with pytest.raises(StoreError, match="no space left"):
@@ -152,7 +131,7 @@ async def test_prior_failures_lead_the_failures_file(server, tmp_path):
     bad = Failure(None, 3, "InputError", str(InputError("line 3: not valid JSON")), 0)
     failures = tmp_path / "f.jsonl"
     summary = await _run(
-        server, MemoryStore(), _samples(1), failures_path=failures, prior_failures=[bad]
+        server, MemorySink(), _samples(1), failures_path=failures, prior_failures=[bad]
     )
     assert json.loads(failures.read_text().splitlines()[0])["line"] == 3 and not summary.ok
 
@@ -160,12 +139,12 @@ async def test_prior_failures_lead_the_failures_file(server, tmp_path):
 async def test_a_stale_failures_file_is_removed_by_a_run_without_failures(server, tmp_path):
     failures = tmp_path / "f.jsonl"
     failures.write_text('{"id": "old"}\n')
-    await _run(server, MemoryStore(), _samples(1), failures_path=failures)
+    await _run(server, MemorySink(), _samples(1), failures_path=failures)
     assert not failures.exists()
 
 
 async def test_cancellation_keeps_committed_samples_and_marks_the_run_interrupted(server):
-    seen, store = [], MemoryStore()
+    seen, store = [], MemorySink()
     with anyio.CancelScope() as scope:
 
         def progress(summary):
@@ -180,12 +159,13 @@ async def test_cancellation_keeps_committed_samples_and_marks_the_run_interrupte
 
 
 async def test_concurrent_workers_commit_every_sample_once(tmp_path):
-    store = MemoryStore()
+    store = MemorySink()
     with FakeServer(tmp_path / "dumps", hidden_size=8, latency=0.05) as server:
         async with HiddenStateClient(
             server.url, dump_dir=server.dump_dir, max_in_flight=4
         ) as client:
-            await run_extraction(_samples(12), client=client, store=store, concurrency=4)
+            run = RunOptions(concurrency=4)
+            await run_extraction(_samples(12), client=client, store=store, options=run)
     assert sorted(store.writes) == sorted(s.id for s in _samples(12))
     assert all(store.samples[s.id].input_ids.tolist() == s.input_ids for s in _samples(12))
 
@@ -200,11 +180,7 @@ def test_backoff_grows_and_is_capped():
     assert [backoff.delay(n) for n in (1, 2, 3)] == [1.0, 3.0, 5.0]
 
 
-def test_failures_file_sits_beside_the_store(tmp_path):
-    assert failures_path_for(tmp_path / "out.zarr") == tmp_path / "out.zarr.failures.jsonl"
-
-
-class WaitingStore(MemoryStore):
+class WaitingStore(MemorySink):
     """Each write first waits for ``ready(sample_id)`` (a threading.Event, 10 s at most) and
     records whether it came, and how long the write took."""
 
@@ -240,7 +216,7 @@ async def test_the_summary_reports_time_per_stage(server):
     async with HiddenStateClient(server.url, dump_dir=server.dump_dir, probe=False) as client:
         summary = await run_extraction(_samples(2), client=client, store=store)
     work = {"server", "dump_wait", "ingest", "store_write"}
-    assert set(summary.stages) == work | set(QUEUES)
+    assert set(summary.stages) == work | QUEUES
     measured = client.stats.stages()  # the client's own clock for its stages and queues
     assert {name: summary.stages[name] for name in measured} == pytest.approx(measured)
     assert summary.stages["store_write"] >= store.write_s > 0
@@ -279,7 +255,8 @@ async def test_samples_waiting_for_a_busy_store_are_counted_in_its_queue(server)
     store.began = {}
     async with HiddenStateClient(server.url, dump_dir=server.dump_dir, probe=False) as client:
         stamping = StampingClient(client, extracted)
-        summary = await run_extraction(samples, client=stamping, store=store, concurrency=3)
+        run = RunOptions(concurrency=3)
+        summary = await run_extraction(samples, client=stamping, store=store, options=run)
     assert summary.ok and store.came == dict.fromkeys(extracted, True)
     # Each sample queued from leaving the client until its write began; the run's own clock
     # stamps both ends a little inside these.
@@ -290,7 +267,7 @@ async def test_samples_waiting_for_a_busy_store_are_counted_in_its_queue(server)
 
 async def test_a_request_waiting_for_the_one_in_flight_is_counted_as_slot_wait(server):
     async with HiddenStateClient(server.url, dump_dir=server.dump_dir, probe=False) as client:
-        summary = await run_extraction(_samples(2), client=client, store=MemoryStore())
+        summary = await run_extraction(_samples(2), client=client, store=MemorySink())
     # One request at a time: the second waited while the first was at the server.
     assert summary.ok and summary.stages["slot_wait"] > 0
 
@@ -306,8 +283,6 @@ def test_the_limit_is_the_stage_samples_queued_longest_for():
 async def test_a_stored_sample_whose_dataset_tokens_changed_is_a_failure_not_a_skip(
     server, tmp_path
 ):
-    from hsdump import open_store
-
     path, failures = tmp_path / "s.zarr", tmp_path / "f.jsonl"
     s0, s1, s2 = _samples(3)
     with open_store(path, "a") as store:
@@ -335,7 +310,7 @@ async def test_a_stored_sample_whose_dataset_tokens_changed_is_a_failure_not_a_s
     assert "(4 tokens, with loss mask)" in records[1]["message"]
 
 
-class IntervalStore(MemoryStore):
+class IntervalStore(MemorySink):
     """Records the interpreter's switch interval at each write."""
 
     def __init__(self) -> None:
@@ -347,28 +322,13 @@ class IntervalStore(MemoryStore):
         await super().awrite(states)
 
 
-@pytest.mark.parametrize("micros", ["250", "2000"])
-async def test_a_run_writes_under_the_set_switch_interval_and_puts_back_the_one_before(
-    server, monkeypatch, micros
-):
-    monkeypatch.setenv("HSDUMP_SWITCH_INTERVAL_US", micros)
+async def test_a_run_leaves_the_interpreters_switch_interval_alone(server):
     before = sys.getswitchinterval()
     store = IntervalStore()
-    await _run(server, store, _samples(2))
-    assert store.intervals == [pytest.approx(int(micros) / 1e6)] * 2
-    assert sys.getswitchinterval() == before
-
-
-async def test_the_switch_interval_is_put_back_when_the_run_stops_on_a_store_error(
-    server, monkeypatch
-):
-    monkeypatch.setenv("HSDUMP_SWITCH_INTERVAL_US", "300")
-    before = sys.getswitchinterval()
-    store = IntervalStore()
-    store.refuse["s0"] = StoreError("no space left on device")
+    store.refuse["s1"] = StoreError("no space left on device")
     with pytest.raises(StoreError):
-        await _run(server, store, _samples(2))
-    assert store.intervals == [pytest.approx(300e-6)] and sys.getswitchinterval() == before
+        await _run(server, store, _samples(3))
+    assert store.intervals == [before, before] and sys.getswitchinterval() == before
 
 
 class _Overlap:
@@ -398,9 +358,6 @@ class _Overlap:
 async def test_a_hidden_state_store_gets_the_next_write_while_one_runs(
     server, tmp_path, monkeypatch
 ):
-    from hsdump import open_store
-    from hsdump._store.store import HiddenStateStore
-
     overlap, write = _Overlap(), HiddenStateStore.write
 
     def watched(self, hs, **kw):
@@ -423,7 +380,7 @@ async def test_a_hidden_state_store_gets_the_next_write_while_one_runs(
 async def test_any_other_sink_gets_one_write_at_a_time(server):
     overlap = _Overlap()
 
-    class Watched(MemoryStore):
+    class Watched(MemorySink):
         async def awrite(self, states: HiddenStates) -> None:
             if overlap.enter():  # a second write at once would begin within this wait
                 await anyio.to_thread.run_sync(overlap.second.wait, 0.5)
@@ -444,7 +401,7 @@ async def test_a_written_sample_is_not_held_while_the_next_one_is_awaited(server
     import gc
     import weakref
 
-    class Dropping(MemoryStore):
+    class Dropping(MemorySink):
         def __init__(self) -> None:
             super().__init__()
             self.refs: list[weakref.ref[HiddenStates]] = []
@@ -472,3 +429,24 @@ async def test_a_written_sample_is_not_held_while_the_next_one_is_awaited(server
         await send.send(samples[1])
         await send.aclose()
     assert store.writes == ["s0", "s1"] and summaries[0].samples_done == 2
+
+
+async def test_a_memory_sink_sees_a_run_as_a_store_does(server, tmp_path):
+    """The fake behind the run's seam: what a run commits and fails into `MemorySink` is what it
+    commits and fails into a store, value check and changed tokens included."""
+    s0, s1, s2, s3 = _samples(4)
+    nan = s2.input_ids
+    server.engine.fault_for = lambda rid, ids: Fault("nan") if ids == nan else None
+    changed = Sample("s1", [7] * len(s1.input_ids))
+    with open_store(tmp_path / "s.zarr", "a") as store:
+        assert (await _run(server, store, [s1])).ok
+    outcomes = []
+    for sink in (MemorySink(committed=[s1]), open_store(tmp_path / "s.zarr", "a")):
+        summary = await _run(server, sink, [s0, changed, s2, s3])
+        failed = [(f.sample_id, f.error, f.attempts) for f in summary.failures]
+        held = [s.id for s in (s0, s1, s2, s3) if s.id in sink]
+        outcomes.append((held, failed, summary.samples_done, summary.tokens_done))
+        if isinstance(sink, HiddenStateStore):
+            sink.close()
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[0][1] == [("s1", "SampleExistsError", 0), ("s2", "NonFiniteValues", 1)]

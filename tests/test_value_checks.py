@@ -1,8 +1,9 @@
-"""The value check of each dump taken in the store's placement (``HSDUMP_VALUE_CHECKS=store``).
+"""The value check of each dump (no NaN or Inf, no vector of all zeros), taken in the store.
 
-An extraction run leaves the check (no NaN or Inf, no vector of all zeros) to the store, which
-reads every byte as it places a sample anyway. A sample that fails is not committed, is recorded
-as failed with the error the client's own check raises, and a rerun extracts it again.
+An extraction run leaves the check to the store, which reads every byte as it places a sample
+anyway; `HiddenStateClient.extract` called alone, and a fail-fast run, check at ingest. A sample
+that fails is not committed, is recorded as failed with the error the client's own check raises,
+and a rerun extracts it again.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from hsdump import (
     HiddenStateClient,
     HiddenStates,
     NonFiniteValues,
+    RunOptions,
     Sample,
     open_store,
     run_extraction,
     verify_store,
 )
-from hsdump.testing import FakeServer, Fault
+from hsdump.testing import FakeServer, Fault, MemorySink
 
 NO_WAIT = Backoff(initial=0.0, jitter=0.0)
 
@@ -141,9 +143,8 @@ async def _extract(server: FakeServer, path: Path, samples: list[Sample], **opti
         server.url, dump_dir=server.dump_dir, dump_timeout=5, probe=False
     ) as client:
         with open_store(path, "a") as store:
-            summary = await run_extraction(
-                samples, client=client, store=store, backoff=NO_WAIT, **options
-            )
+            run = RunOptions(backoff=NO_WAIT, **options)
+            summary = await run_extraction(samples, client=client, store=store, options=run)
         return summary, client.stats
 
 
@@ -179,18 +180,6 @@ async def test_a_run_records_a_sample_the_store_refused_and_a_rerun_extracts_it(
 
 
 @pytest.mark.anyio
-async def test_with_value_checks_at_ingest_the_client_refuses_the_dump(
-    server: FakeServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("HSDUMP_VALUE_CHECKS", "ingest")
-    samples = _samples(3)
-    _fault_on(server, samples[1], "nan")
-    summary, stats = await _extract(server, tmp_path / "store", samples)
-    assert [(f.sample_id, f.error) for f in summary.failures] == [("s1", "NonFiniteValues")]
-    assert stats.failures == {"NonFiniteValues": 1} and summary.samples_done == 2
-
-
-@pytest.mark.anyio
 async def test_a_fail_fast_run_checks_at_ingest_and_stops_at_the_sample(
     server: FakeServer, tmp_path: Path
 ) -> None:
@@ -202,15 +191,44 @@ async def test_a_fail_fast_run_checks_at_ingest_and_stops_at_the_sample(
     assert samples[3].input_ids not in [r.input_ids for r in server.received]
 
 
+class HandedOver(MemorySink):
+    """Notes, for each sample the run hands over, whether its values were checked and finite."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handed: dict[str, tuple[bool, bool]] = {}
+
+    async def awrite(self, states: HiddenStates) -> None:
+        finite = bool(torch.isfinite(states.aux_hidden_states.float()).all())
+        self.handed[states.sample_id] = (states.values_checked, finite)
+        await super().awrite(states)
+
+
 @pytest.mark.anyio
-async def test_extract_with_deferred_checks_hands_the_values_over_unchecked(
-    server: FakeServer,
+@pytest.mark.parametrize("fail_fast", [False, True])
+async def test_a_run_hands_the_store_the_dumps_values_unchecked_unless_it_fails_fast(
+    server: FakeServer, fail_fast: bool
 ) -> None:
-    sample = _samples(1)[0]
-    _fault_on(server, sample, "nan")
+    samples = _samples(3)
+    _fault_on(server, samples[1], "nan")
+    sink = HandedOver()
     async with HiddenStateClient(server.url, dump_dir=server.dump_dir, dump_timeout=5) as client:
-        states = await client.extract(sample, defer_value_checks=True)
-        assert not states.values_checked
-        assert not torch.isfinite(states.aux_hidden_states.float()).all()
-        with pytest.raises(NonFiniteValues):
-            await client.extract(sample)
+        run = RunOptions(fail_fast=fail_fast)
+        summary = await run_extraction(samples, client=client, store=sink, options=run)
+    assert [(f.sample_id, f.error) for f in summary.failures] == [("s1", "NonFiniteValues")]
+    if fail_fast:  # the client refused it: the store never saw it
+        assert sink.handed == {"s0": (True, True)} and client.stats.failures
+    else:
+        assert sink.handed == {"s0": (False, True), "s1": (False, False), "s2": (False, True)}
+        assert sink.writes == ["s0", "s2"] and client.stats.failures == {}
+
+
+@pytest.mark.anyio
+async def test_extract_alone_checks_the_values_at_ingest(server: FakeServer) -> None:
+    good, bad = _samples(2)
+    _fault_on(server, bad, "nan")
+    async with HiddenStateClient(server.url, dump_dir=server.dump_dir, dump_timeout=5) as client:
+        assert (await client.extract(good)).values_checked
+        with pytest.raises(NonFiniteValues, match="aux_hidden_states has NaN or Inf at token"):
+            await client.extract(bad)
+        assert client.stats.failures == {"NonFiniteValues": 1}
