@@ -8,13 +8,11 @@ closes the store and prints ``END <number actually written>``.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 
-from hsdump._store.store import open_store
-from hsdump._types import HiddenStates
+from hsdump import HiddenStates, StoreOptions, open_store
 
 HIDDEN = 32
 LAYERS = [2, 5, 7]
@@ -51,7 +49,9 @@ def open_test_store(path: str, mode: str = "a", writer_id: str | None = None, **
 
 def main(path: str, n: int, writer_id: str, stride: int, offset: int) -> None:
     written = 0
-    with open_test_store(path, writer_id=writer_id) as store:
+    # Commit whenever a shard is on disk (not once a second), so kills land between many commits.
+    options = StoreOptions(commit_interval_s=0)
+    with open_test_store(path, writer_id=writer_id, options=options) as store:
         for i in range(offset, n, stride):
             written += store.write(make_sample(i), if_exists="skip")
             print(f"wrote {i}", flush=True)
@@ -59,6 +59,4 @@ def main(path: str, n: int, writer_id: str, stride: int, offset: int) -> None:
 
 
 if __name__ == "__main__":
-    # Commit whenever a shard is on disk (not once a second), so kills land between many commits.
-    os.environ["HSDUMP_COMMIT_INTERVAL_S"] = "0"
     main(sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))

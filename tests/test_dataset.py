@@ -9,9 +9,7 @@ import torch
 from store_crash_writer import make_sample
 from torch.utils.data import DataLoader
 
-from hsdump import SampleNotFoundError
-from hsdump._run.dataset import HiddenStateDataset
-from hsdump._store.store import open_store
+from hsdump import HiddenStateDataset, SampleNotFoundError, open_store
 
 
 @pytest.fixture

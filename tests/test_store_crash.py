@@ -82,8 +82,8 @@ def test_killed_writer_leaves_no_chunk_files_past_its_last_commit(tmp_path: Path
     _kill_after(_spawn(path, 40), 9, 0.0)
     open_test_store(str(path), writer_id="w0").close()
     with open_store(path, "r") as store:
-        rows = store._readers["part-w0"].index.rows
-        end = int((rows[:, 0] + rows[:, 1]).max()) if len(rows) else 0
+        spans = [store.locate(sid) for sid in store]
+    end = max((offset + length for part, offset, length in spans if part == "part-w0"), default=0)
     shards = [int(p.name.split(".")[1]) for p in (path / "part-w0" / "hidden").glob("c.*")]
     assert all(s * 128 < end for s in shards)
 
@@ -104,3 +104,22 @@ def test_second_live_writer_of_one_part_is_refused(tmp_path: Path) -> None:
         pytest.raises(PartLockedError, match="own writer_id"),
     ):
         open_test_store(str(path), writer_id="w0")
+
+
+def test_a_killed_writers_part_opens_again_once_its_process_is_gone(tmp_path: Path) -> None:
+    path = tmp_path / "s.zarr"
+    code = (
+        "import sys; from hsdump import open_store; "
+        f"s = open_store({str(path)!r}, 'a', writer_id='w0'); print('open', flush=True); "
+        "sys.stdin.read()"
+    )
+    args = [sys.executable, "-c", code]
+    with subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == "open\n"
+            with pytest.raises(PartLockedError, match="another live process is writing"):
+                open_test_store(str(path), writer_id="w0")
+            open_test_store(str(path), writer_id="w1").close()  # another part is free
+        finally:
+            holder.kill()
+    open_test_store(str(path), writer_id="w0").close()
