@@ -22,7 +22,7 @@ from hsdump import (
     run_extraction,
     verify_store,
 )
-from hsdump._servers.reference import build_default_model
+from hsdump.testing import build_default_model
 
 LENGTHS = (1, 7, 33, 128, 300)
 

@@ -21,9 +21,8 @@ import torch
 from store_crash_writer import make_sample
 from typer.testing import CliRunner
 
-from hsdump import ExportError, HiddenStates, export_store, open_store
-from hsdump._cli import app
-from hsdump._protocol import DumpMeta, ProducerInfo
+from hsdump import DumpMeta, ExportError, HiddenStates, ProducerInfo, export_store, open_store
+from hsdump.testing import cli_app
 
 N = 6
 
@@ -377,7 +376,7 @@ def test_the_export_command_writes_listed_ids_and_names_the_layer_ids_to_train_w
     ids.write_text("s4\n\n# a comment\ns1\n")
     out = tmp_path / "sf"
     result = CliRunner().invoke(
-        app, ["export", str(post_norm), str(out), "--format", "specforge", "--ids", str(ids)]
+        cli_app, ["export", str(post_norm), str(out), "--format", "specforge", "--ids", str(ids)]
     )
     assert result.exit_code == 0, result.output
     assert "exported 2 samples" in result.output
@@ -390,11 +389,11 @@ def test_the_export_command_reports_a_refusal_or_a_bad_ids_file_in_one_line(
 ) -> None:
     runner = CliRunner()
     args = ["export", str(post_norm), str(tmp_path / "sp"), "--format", "speculators"]
-    result = runner.invoke(app, args)
+    result = runner.invoke(cli_app, args)
     assert result.exit_code == 2 and "error:" in result.output and "post-norm" in result.output
     assert "Traceback" not in result.output
 
     ids = tmp_path / "ids.txt"
     ids.write_text("s1\ns2\ns1\n")
-    result = runner.invoke(app, [*args[:-1], "specforge", "--ids", str(ids)])
+    result = runner.invoke(cli_app, [*args[:-1], "specforge", "--ids", str(ids)])
     assert result.exit_code == 2 and "ids.txt:3: sample id 's1' is listed twice" in result.output

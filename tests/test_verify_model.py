@@ -10,12 +10,17 @@ import torch
 from _models import TINY
 from typer.testing import CliRunner
 
-from hsdump import HiddenStateClient, HiddenStates, Sample
-from hsdump._cli import app
-from hsdump._protocol import DumpMeta, ProducerInfo
-from hsdump._run.pipeline import run_extraction
-from hsdump._servers.reference import ReferenceServer, build_default_model
-from hsdump._store.store import open_store
+from hsdump import (
+    DumpMeta,
+    HiddenStateClient,
+    HiddenStates,
+    ProducerInfo,
+    ReferenceServer,
+    Sample,
+    open_store,
+    run_extraction,
+)
+from hsdump.testing import build_default_model, cli_app
 
 runner = CliRunner()
 
@@ -62,7 +67,7 @@ def other_store(tmp_path_factory):
 
 def _verify(store, model_dir, *extra):
     args = ["verify", str(store), "--against", str(model_dir), "--device", "cpu", *extra]
-    return runner.invoke(app, [*args, "--samples", "3"])
+    return runner.invoke(cli_app, [*args, "--samples", "3"])
 
 
 def _verdicts(output: str) -> dict[str, str]:
