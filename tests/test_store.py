@@ -31,12 +31,12 @@ from hsdump import (
     StoreExistsError,
     StoreIOError,
     StoreNotFoundError,
+    StoreOptions,
     StoreReadOnlyError,
     StoreWriteFailedError,
     open_store,
     verify_store,
 )
-from hsdump._store.shardio import PARTIAL_SUFFIX
 
 # NaN, +-Inf, -0, the smallest and largest subnormals (positive and negative), the largest finite.
 SPECIAL_BF16 = [0x7FC0, 0xFFC1, 0x7F80, 0xFF80, 0x8000, 0x0001, 0x007F, 0x8001, 0x807F, 0x7F7F]
@@ -407,9 +407,9 @@ async def test_async_write_runs_off_the_event_loop() -> None:
 def test_commits_are_batched_while_writing_and_flush_commits_everything(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("HSDUMP_COMMIT_INTERVAL_S", "3600")
+    monkeypatch.setenv("HSDUMP_COMMIT_INTERVAL_S", "0")  # the argument wins over the variable
     path, n = tmp_path / "s.zarr", 40  # ~6,000 tokens: ~47 shards of 128 tokens
-    store = open_test_store(str(path))
+    store = open_test_store(str(path), options=StoreOptions(commit_interval_s=3600))
     for i in range(n):
         store.write(make_sample(i))
     reader = open_store(path, "r")
@@ -470,20 +470,22 @@ def test_a_shard_write_that_fails_midway_leaves_no_file_and_no_temp_file(
     real_writev = os.writev
 
     def writev_then_full(fd: int, buffers: list[memoryview]) -> int:
+        if "/hidden/c." not in os.readlink(f"/proc/self/fd/{fd}"):
+            return real_writev(fd, buffers)  # metadata and index files: not the shard
         calls["n"] += 1
         if calls["n"] > 1:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_writev(fd, buffers[:1])  # a short write: the rest must follow
 
-    monkeypatch.setattr(os, "writev", writev_then_full)
     store = open_store(tmp_path / "s.zarr", "a")
+    monkeypatch.setattr(os, "writev", writev_then_full)
     with pytest.raises(StoreIOError, match="free space and rerun"):
         store.write(make_sample(1))
         store.flush()
     store.close()
     part = tmp_path / "s.zarr" / "part-default"
     assert calls["n"] == 2
-    temps = list(part.rglob(f"*{PARTIAL_SUFFIX}"))
+    temps = list(part.rglob("*.partial"))  # the temporary files' names (docs/store.md)
     shards = [p for p in (part / "hidden").glob("c.*") if p not in temps]
     assert not shards, "no shard file may appear from a failed write"
     assert not temps, "a failed write removes its temporary file"
@@ -496,26 +498,16 @@ def test_a_shard_write_that_fails_midway_leaves_no_file_and_no_temp_file(
 
 @pytest.mark.parametrize("writers", [1, 3])
 def test_samples_straddling_shards_round_trip_with_several_shards_written_at_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writers: int
+    tmp_path: Path, writers: int
 ) -> None:
     """Rows are placed on the codec pool; each shard is written only once all of them landed."""
-    import time
-
-    import hsdump._store.part
-
-    real_place = hsdump._store.part.place_sample
-
-    def slow_place(*args: Any) -> Any:
-        time.sleep(0.01)  # the shard writer would otherwise find the rows unwritten
-        return real_place(*args)
-
-    monkeypatch.setattr(hsdump._store.part, "place_sample", slow_place)
-    monkeypatch.setenv("HSDUMP_SHARD_WRITERS", str(writers))
+    options = StoreOptions(shard_writers=writers)
     path = str(tmp_path / "s.zarr")
-    with open_test_store(path) as store:  # 128-token shards: most samples straddle two or more
+    # 128-token shards: most samples straddle two or more
+    with open_test_store(path, options=options) as store:
         for i in range(30):
             store.write(make_sample(i))
-    with open_test_store(path) as store:  # resumes inside a partial shard
+    with open_test_store(path, options=options) as store:  # resumes inside a partial shard
         for i in range(30, 45):
             store.write(make_sample(i))
     with open_store(path, "r") as store:

@@ -91,6 +91,8 @@ def describe(path: Any) -> str:
 def _store_of(path: Any, mode: Mode, storage_options: Mapping[str, Any] | None) -> Any:
     from zarr.storage import LocalStore
 
+    from hsdump._store.durable import DurableLocalStore
+
     if is_url(path):
         return open_s3(path, storage_options, read_only=mode == "r")
     if storage_options:
@@ -99,7 +101,11 @@ def _store_of(path: Any, mode: Mode, storage_options: Mapping[str, Any] | None) 
         raise ConfigError(
             f"storage_options apply to s3:// URLs only, not to {describe(path)}: leave them out"
         )
-    return LocalStore(os.fspath(path), read_only=mode == "r") if _is_local(path) else path
+    if _is_local(path):
+        return DurableLocalStore(os.fspath(path), read_only=mode == "r")
+    if isinstance(path, LocalStore) and not isinstance(path, DurableLocalStore):
+        return DurableLocalStore(path.root, read_only=path.read_only)  # its writes on disk too
+    return path
 
 
 def open_root(

@@ -14,16 +14,15 @@ import atexit
 import functools
 import os
 import threading
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hsdump._cores import cores
 from hsdump._store import zarr_adapter
+from hsdump._store.durable import write_file_atomic
 from hsdump._store.roots import local_root
 from hsdump._store.zarr_adapter import EMPTY, ShardIndexError, UnsupportedArrayError
 
@@ -34,17 +33,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DAMAGED",
-    "PARTIAL_SUFFIX",
     "ChunkDecodeError",
     "FlatChunks",
     "ShardIO",
-    "write_file_atomic",
 ]
 
-_IOV_MAX = 1024  # Linux's limit on buffers per writev
-# A file being written; zarr's LocalStore uses the same suffix, and reopening a part for writing
-# removes leftovers of a killed writer (HiddenStateStore._cleanup_partials).
-PARTIAL_SUFFIX = ".partial"
 _SHUFFLE = {"shuffle": 1, "bitshuffle": 2, "noshuffle": 0}
 
 
@@ -243,36 +236,6 @@ class ShardIO:
 def _fill(target: np.ndarray, key: str) -> str:
     target[...] = 0
     return key
-
-
-def write_file_atomic(path: Path, pieces: list[bytes | memoryview]) -> None:
-    """Write ``pieces`` to ``path`` as one file that appears whole or not at all.
-
-    Like zarr's ``LocalStore`` (a temporary file, then a rename), but the pieces go to the kernel
-    in one ``writev`` instead of being joined first, and no event loop is involved: a shard write
-    costs one copy of its bytes and almost no time holding the GIL.
-    """
-    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}{PARTIAL_SUFFIX}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        try:
-            _writev_all(fd, [memoryview(p) for p in pieces])
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def _writev_all(fd: int, views: list[memoryview]) -> None:
-    while views:
-        written = os.writev(fd, views[:_IOV_MAX])
-        while views and written >= len(views[0]):
-            written -= len(views[0])
-            views.pop(0)
-        if views and written:
-            views[0] = views[0][written:]
 
 
 def _codec_chain(array: Any) -> list[dict[str, Any]]:

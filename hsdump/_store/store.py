@@ -39,6 +39,7 @@ from hsdump._store.codecs import (
     codec_description,
     hidden_compressors,
 )
+from hsdump._store.durable import PARTIAL_SUFFIX
 from hsdump._store.intake import check_tensors, ids_int32, moments_of
 from hsdump._store.integrity import (
     COMMITTED_SAMPLES_KEY,
@@ -71,7 +72,6 @@ from hsdump._store.roots import (
     os_error,
 )
 from hsdump._store.shardbuf import ValueCheck
-from hsdump._store.shardio import PARTIAL_SUFFIX
 from hsdump._store.stats import LayerStats, RowStats, merge_layer_lists
 
 if TYPE_CHECKING:

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hsdump._exceptions import ExportError, InputError, SampleNotFoundError
+from hsdump._store.durable import PARTIAL_SUFFIX, write_file_atomic
 from hsdump._store.provenance import SETTING_FIELDS
-from hsdump._store.shardio import PARTIAL_SUFFIX, write_file_atomic
 from hsdump._training.trainers import TARGETS, FinalNorm, Target, resolve_final_norm
 
 if TYPE_CHECKING:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hsdump._store.shardio import PARTIAL_SUFFIX
+from hsdump._store.durable import PARTIAL_SUFFIX
 
 if TYPE_CHECKING:
     from hsdump._store.store import HiddenStateStore

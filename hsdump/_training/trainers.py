@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, BinaryIO, Literal, cast
 
 from hsdump._exceptions import ExportError
-from hsdump._store.shardio import PARTIAL_SUFFIX, write_file_atomic
+from hsdump._store.durable import PARTIAL_SUFFIX, write_file_atomic
 
 if TYPE_CHECKING:
     import torch
