@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 import torch
 
-from hsdump._client.loading import read_dump
-from hsdump._exceptions import ConfigError
-from hsdump._protocol import read_manifests, request_dir
-from hsdump._servers.reference import ReferenceServer, build_default_model, default_layer_ids
+from hsdump import ConfigError, ReferenceServer
+from hsdump.testing import build_default_model, read_dump, request_dir
 
 TINY = {
     "hidden_size": 64,
@@ -44,10 +42,6 @@ def _generate(server: ReferenceServer, ids: list[int], rid: str | None = None) -
     return httpx.post(f"{server.url}/generate", json=body, timeout=30)
 
 
-def _bf16(bits: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.array(bits)).view(torch.bfloat16).float()
-
-
 def _dumps(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name.startswith("req_"))
 
@@ -59,17 +53,20 @@ def test_dump_holds_hidden_states_of_the_requested_layers_and_the_post_norm_fina
     dump = read_dump(request_dir(server.dump_dir, rid))
     with torch.no_grad():
         expected = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
-    assert dump.meta.input_ids == ids and dump.meta.final_norm == "post_norm"
+    assert dump.meta is not None and dump.meta.final_norm == "post_norm"
+    assert dump.input_ids.tolist() == ids and dump.aux_hidden_states.dtype == torch.bfloat16
     for k, layer in enumerate(server.layer_ids):
-        torch.testing.assert_close(_bf16(dump.aux[:, k]), expected[layer][0], atol=1e-2, rtol=1e-2)
-    torch.testing.assert_close(_bf16(dump.final), expected[-1][0], atol=1e-2, rtol=1e-2)
+        aux = dump.aux_hidden_states[:, k].float()
+        torch.testing.assert_close(aux, expected[layer][0], atol=1e-2, rtol=1e-2)
+    final = dump.final_hidden_state.float()
+    torch.testing.assert_close(final, expected[-1][0], atol=1e-2, rtol=1e-2)
 
 
 def test_each_aux_layer_differs_from_its_neighbours_beyond_bf16_rounding(model, server):
     ids = list(range(1, 40))
     rid = f"hsdump-{uuid.uuid4().hex}"
     _generate(server, ids, rid)
-    aux = _bf16(read_dump(request_dir(server.dump_dir, rid)).aux)
+    aux = read_dump(request_dir(server.dump_dir, rid)).aux_hidden_states.float()
     with torch.no_grad():
         states = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
     for k, layer in enumerate(server.layer_ids):
@@ -117,15 +114,17 @@ def test_server_info_reports_the_settings_the_client_checks(server):
 
 def test_manifest_announces_the_producer_while_running_and_is_withdrawn_at_stop(model, tmp_path):
     with ReferenceServer(model, dump_dir=tmp_path, layer_ids=[0, 3], device="cpu"):
-        (manifest,) = read_manifests(tmp_path)
-        assert manifest.layer_ids == [0, 3] and manifest.final_norm == "post_norm"
-        assert manifest.hidden_size == 64 and manifest.dtype == "bfloat16"
+        (path,) = (tmp_path / "_producers").iterdir()
+        manifest = json.loads(path.read_text())
+        assert manifest["layer_ids"] == [0, 3] and manifest["final_norm"] == "post_norm"
+        assert manifest["hidden_size"] == 64 and manifest["dtype"] == "bfloat16"
     assert list((tmp_path / "_producers").iterdir()) == []
 
 
 @pytest.mark.parametrize(("layers", "expected"), [(8, [2, 4, 5]), (32, [2, 16, 29]), (4, [1, 2])])
-def test_default_layers_follow_sglang_eagle3_convention(layers, expected):
-    assert default_layer_ids(layers) == expected
+def test_default_layers_follow_sglang_eagle3_convention(tmp_path, layers, expected):
+    small = build_default_model(**{**TINY, "num_hidden_layers": layers})
+    assert ReferenceServer(small, dump_dir=tmp_path, device="cpu").layer_ids == expected
 
 
 @pytest.mark.parametrize("layer_ids", [[4], [-1], []])
@@ -142,7 +141,7 @@ def test_a_model_directory_serves_the_same_weights_as_the_model_saved_there(mode
         dump = read_dump(request_dir(loaded.dump_dir, rid))
     with torch.no_grad():
         final = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
-    assert torch.equal(_bf16(dump.final), final.to(torch.bfloat16).float())
+    assert torch.equal(dump.final_hidden_state, final.to(torch.bfloat16))
 
 
 def test_a_directory_without_a_model_is_a_config_error(tmp_path):
@@ -150,7 +149,13 @@ def test_a_directory_without_a_model_is_a_config_error(tmp_path):
         ReferenceServer(tmp_path, dump_dir=tmp_path / "d", device="cpu")
 
 
-def test_the_built_in_model_is_the_same_for_the_same_seed():
-    first, second = (build_default_model(seed=3, **TINY) for _ in range(2))
-    pairs = zip(first.parameters(), second.parameters(), strict=True)
-    assert all(torch.equal(a, b) for a, b in pairs)
+def test_a_server_given_no_model_serves_the_same_built_in_model_each_time(tmp_path):
+    ids, dumps = [3, 1, 4, 1, 5, 9, 2, 6], []
+    for run in ("a", "b"):
+        with ReferenceServer(dump_dir=tmp_path / run, device="cpu") as built_in:
+            rid = f"hsdump-{uuid.uuid4().hex}"
+            assert _generate(built_in, ids, rid).status_code == 200
+            dumps.append(read_dump(request_dir(built_in.dump_dir, rid)))
+    first, second = dumps
+    assert torch.equal(first.aux_hidden_states, second.aux_hidden_states)
+    assert torch.equal(first.final_hidden_state, second.final_hidden_state)
