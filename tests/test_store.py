@@ -18,6 +18,7 @@ from store_crash_writer import make_sample, open_test_store
 from zarr.storage import MemoryStore
 
 from hsdump import (
+    ConfigError,
     DumpMeta,
     HiddenStates,
     InputError,
@@ -404,12 +405,17 @@ async def test_async_write_runs_off_the_event_loop() -> None:
         assert "s1" in reader
 
 
+@pytest.mark.parametrize(
+    ("variable", "options"),
+    [("3600", None), ("0", StoreOptions(commit_interval_s=3600))],
+    ids=["variable", "argument-over-variable"],
+)
 def test_commits_are_batched_while_writing_and_flush_commits_everything(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variable: str, options: StoreOptions | None
 ) -> None:
-    monkeypatch.setenv("HSDUMP_COMMIT_INTERVAL_S", "0")  # the argument wins over the variable
+    monkeypatch.setenv("HSDUMP_COMMIT_INTERVAL_S", variable)
     path, n = tmp_path / "s.zarr", 40  # ~6,000 tokens: ~47 shards of 128 tokens
-    store = open_test_store(str(path), options=StoreOptions(commit_interval_s=3600))
+    store = open_test_store(str(path), options=options)
     for i in range(n):
         store.write(make_sample(i))
     reader = open_store(path, "r")
@@ -425,6 +431,32 @@ def test_commits_are_batched_while_writing_and_flush_commits_everything(
     total = sum(make_sample(i).nbytes for i in range(n))
     assert store.bytes_raw_written == store.bytes_raw == total
     store.close()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("shard_writers", 0), ("lease_ttl_s", -1.0), ("cores", 0), ("commit_interval_s", -0.5)],
+)
+def test_store_options_out_of_range_are_config_errors_naming_the_field(
+    field: str, value: float
+) -> None:
+    with pytest.raises(ConfigError, match=rf"StoreOptions\.{field} must be .*got {value}"):
+        StoreOptions(**{field: value})
+
+
+def test_store_options_are_frozen() -> None:
+    options = StoreOptions(shard_writers=2)
+    with pytest.raises(AttributeError):
+        options.shard_writers = 3  # type: ignore[misc]
+
+
+def test_a_malformed_store_variable_is_a_config_error_at_open_that_creates_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HSDUMP_SHARD_WRITERS", "many")
+    with pytest.raises(ConfigError, match=r"HSDUMP_SHARD_WRITERS.*'many'"):
+        open_store(tmp_path / "s.zarr", "a")
+    assert not (tmp_path / "s.zarr").exists()
 
 
 def test_refresh_shows_samples_another_writer_committed(tmp_path: Path) -> None:
@@ -500,7 +532,7 @@ def test_a_shard_write_that_fails_midway_leaves_no_file_and_no_temp_file(
 def test_samples_straddling_shards_round_trip_with_several_shards_written_at_once(
     tmp_path: Path, writers: int
 ) -> None:
-    """Rows are placed on the codec pool; each shard is written only once all of them landed."""
+    """(test_codec_pool.py slows the placement of rows to check that a shard waits for it.)"""
     options = StoreOptions(shard_writers=writers)
     path = str(tmp_path / "s.zarr")
     # 128-token shards: most samples straddle two or more
