@@ -14,7 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hsdump import DumpFailed, DumpValidationError, HsdumpError, ServerNotDumping
+from hsdump import (
+    DumpFailed,
+    DumpValidationError,
+    HsdumpError,
+    MomentsMismatch,
+    ServerNotDumping,
+)
 from hsdump._client.loading import read_dump, to_torch
 from hsdump._exceptions import InvalidRequestId
 from hsdump._protocol import (
@@ -25,11 +31,14 @@ from hsdump._protocol import (
     ProducerInfo,
     ProducerManifest,
     default_dump_dir,
+    dtype_spec,
     is_opted_in,
+    moments_error,
     read_manifests,
     remove_dump,
     request_dir,
     row_moments,
+    spot_rows,
     validate_rid,
     write_dump,
     write_error,
@@ -311,3 +320,48 @@ def test_moments_for_a_writer_without_them_or_outside_the_dump_are_refused(tmp_p
             w.write_moments(1, moments)
         with pytest.raises(ValueError, match="not those of 3 rows"):
             w.write_rows(0, aux, final, moments[:2])
+
+
+# --- row moments (moments.bin) --------------------------------------------------------------
+
+
+def _moment_rows(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    values = np.random.default_rng(seed).standard_normal((n, 4, 64), dtype=np.float32)
+    bits = dtype_spec("bfloat16").from_float32(values)
+    return np.ascontiguousarray(bits[:, :3]), np.ascontiguousarray(bits[:, 3])
+
+
+def test_moments_summed_in_another_order_pass_the_check() -> None:
+    import torch
+
+    aux, final = _moment_rows(10)
+    bits = np.concatenate([aux, final[:, None]], axis=1).view(np.int16)
+    wide = torch.from_numpy(bits).view(torch.bfloat16).float()
+    other = torch.stack((wide.flip(-1).cumsum(-1)[..., -1], (wide * wide).sum(-1)), -1).numpy()
+    rows = spot_rows(10)
+    assert moments_error(other, aux, final, "bfloat16", rows, layer_ids=[1, 2, 3],
+                         sample_id="s", rid="r") is None  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("spoil", "where"),
+    [
+        (lambda m: np.roll(m, 1, axis=0), "at token 0, aux layer 1"),  # rows moved by one
+        (lambda m: m[:, [1, 0, 2, 3]], "at token 0, aux layer 1"),  # two layers swapped
+        (lambda m: np.concatenate([m[:, :3], m[:, 3:] * 1.01], axis=1), "the final state"),
+    ],
+    ids=["rows-moved", "layers-swapped", "final-off-by-1pct"],
+)
+def test_moments_of_other_values_are_named(spoil, where: str) -> None:
+    aux, final = _moment_rows(10)
+    moments = np.ascontiguousarray(spoil(row_moments(aux, final, "bfloat16")))
+    error = moments_error(moments, aux, final, "bfloat16", spot_rows(10), layer_ids=[1, 2, 3],
+                          sample_id="s", rid="r")  # fmt: skip
+    assert isinstance(error, MomentsMismatch) and where in str(error)
+
+
+def test_spot_rows_take_the_ends_and_distinct_rows_between() -> None:
+    rows = spot_rows(5000, 16)
+    assert len(rows) == 16 and rows[0] == 0 and rows[-1] == 4999
+    assert len(set(rows.tolist())) == 16 and np.all(np.diff(rows) > 0)
+    assert spot_rows(7, 16).tolist() == list(range(7))
