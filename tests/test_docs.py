@@ -38,9 +38,9 @@ def test_every_page_in_the_nav_exists() -> None:
 
 
 def test_docs_pages_named_in_the_readme_and_the_code_exist() -> None:
-    sources = [ROOT / "README.md", *ROOT.glob("hsdump/*.py"), *ROOT.glob("sglang_patch/*.py")]
+    sources = [ROOT / "README.md", *ROOT.glob("hsdump/**/*.py"), *ROOT.glob("sglang_patch/*.py")]
     named = {
-        (source.name, page)
+        (str(source.relative_to(ROOT)), page)
         for source in sources
         for page in re.findall(r"docs/[\w./-]+\.md", source.read_text())
     }
