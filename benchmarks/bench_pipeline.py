@@ -8,7 +8,8 @@ sizes through the protocol:
    the dump);
 2. store alone: the same hidden states written straight into a fresh store;
 3. end to end: ``run_extraction`` with HiddenStateClient + store;
-4. the client side alone: the same, with the samples dropped instead of stored;
+4. the client side alone: the same, with the samples dropped instead of stored (the run leaves
+   each dump's value check to the store's placement, so this is the client's share of a run);
 
 each rate the best of two runs, so that noise treats both sides alike, and every timed run
 starting from a settled page cache (earlier runs' stores deleted, dirty pages written back), and
@@ -41,10 +42,17 @@ import anyio
 import httpx
 import numpy as np
 
-from hsdump import HiddenStateClient, InotifyWatcher, PollingWatcher, Sample, open_store
-from hsdump._protocol import request_dir
-from hsdump._run.pipeline import run_extraction
-from hsdump.testing import FakeServer, publish
+from hsdump import (
+    HiddenStateClient,
+    HiddenStates,
+    InotifyWatcher,
+    PollingWatcher,
+    RunOptions,
+    Sample,
+    open_store,
+    run_extraction,
+)
+from hsdump.testing import FakeServer, publish, request_dir
 
 CMD = "python benchmarks/bench_pipeline.py"
 LAYERS = (2, 16, 29)
@@ -202,7 +210,8 @@ async def end_to_end(
         store = open_store(where, mode="w")
         meter = CpuMeter(server)
         meter.start()
-        summary = await run_extraction(batch, client=client, store=store, concurrency=concurrency)
+        options = RunOptions(concurrency=concurrency)
+        summary = await run_extraction(batch, client=client, store=store, options=options)
         cpu = meter.stop(summary.tokens_done, len(batch)).cpu_ms
         await store.aclose()
     assert summary.ok and summary.samples_done == len(batch), summary
@@ -210,28 +219,44 @@ async def end_to_end(
 
 
 class Discard:
-    """A sink that drops every sample: run_extraction with it measures the client side alone."""
+    """A sink that drops every sample: run_extraction with it measures the client side alone.
+
+    It refuses nothing: the value check a store's placement makes is the store's share of a run.
+    """
 
     def __contains__(self, sample_id: object) -> bool:
         return False
 
-    async def awrite(self, states: object) -> bool:
-        return True
+    async def awrite(self, states: HiddenStates) -> None:
+        return None
 
     async def aflush(self) -> None:
         return None
 
+    def token_mismatch(self, sample: Sample) -> str | None:
+        return None
+
+    def take_refused(self) -> list[Any]:
+        return []
+
+    @property
+    def bytes_raw_written(self) -> int:
+        return 0
+
+    @property
+    def bytes_stored(self) -> int:
+        return 0
+
 
 async def client_alone(server: Server, batch: list[Sample], concurrency: int) -> Run:
-    """Tokens/s of HiddenStateClient + run_extraction (read and check every dump), no store."""
+    """Tokens/s of HiddenStateClient + run_extraction (read every dump), no store."""
     async with HiddenStateClient(
         server.url, dump_dir=server.dump_dir, max_in_flight=concurrency
     ) as client:
         meter = CpuMeter(server)
         meter.start()
-        summary = await run_extraction(
-            batch, client=client, store=Discard(), concurrency=concurrency
-        )
+        options = RunOptions(concurrency=concurrency)
+        summary = await run_extraction(batch, client=client, store=Discard(), options=options)
         run = meter.stop(summary.tokens_done, len(batch))
     assert summary.ok and summary.samples_done == len(batch), summary
     return run
@@ -344,9 +369,9 @@ async def throughput(server: Server, batch: list[Sample], work: Path) -> int:
     print("|---|---|---|---|---|---|---|")
     print("\n".join(cpu_rows))
     print(
-        "\nThe client side alone: HiddenStateClient + run_extraction reading and checking every "
-        "dump, samples dropped instead of stored (client CPU = its core-ms per sample beyond the "
-        "server alone's):\n"
+        "\nThe client side alone: HiddenStateClient + run_extraction reading every dump (the "
+        "value check is the store's, in its placement), samples dropped instead of stored "
+        "(client CPU = its core-ms per sample beyond the server alone's):\n"
     )
     print("| in flight | server alone tok/s | client alone tok/s | client / server | client CPU |")
     print("|---|---|---|---|---|")
