@@ -639,18 +639,25 @@ def _block_stop_signals() -> set[signal.Signals]:
 @app.command("verify-store")
 def verify_store(
     store: Annotated[str, typer.Argument(help="The Zarr store to check (a path or s3:// URL).")],
+    drop: Annotated[
+        bool,
+        typer.Option(
+            "--drop", help="Drop corrupted samples from the store, so a rerun extracts them again."
+        ),
+    ] = False,
 ) -> None:
     """Re-read every committed sample and compare its checksum.
 
     \b
     Example:
       hsdump verify-store hs.zarr
+      hsdump verify-store hs.zarr --drop     # then rerun hsdump extract
     """
 
     def job() -> int:
         from hsdump._store.store import verify_store as verify
 
-        report = verify(store)
+        report = verify(store, drop=drop)
         for bad in report.corrupted:
             console.print(
                 f"[red]corrupted[/] {bad.sample_id} ({bad.part}): {bad.reason}", highlight=False
@@ -661,6 +668,8 @@ def verify_store(
             f"checked {report.checked} samples: {report.ok} intact, "
             f"{len(report.corrupted)} corrupted, {len(report.duplicates)} duplicated"
         )
+        if drop and report.corrupted:
+            out.print(f"dropped {len(report.corrupted)} corrupted: rerun the extraction")
         return EXIT_OK if report.clean else EXIT_FAILURES
 
     _run_guarded(job)

@@ -55,7 +55,7 @@ from hsdump._store.integrity import (
 from hsdump._store.options import StoreOptions
 from hsdump._store.provenance import Provenance
 from hsdump._store.shardbuf import Piece, Placed, ShardBuffer, ValueCheck, place_sample
-from hsdump._store.shardio import FlatChunks, ShardIO, codec_pool
+from hsdump._store.shardio import DAMAGED, FlatChunks, ShardIO, codec_pool
 from hsdump._store.stats import LayerStats, RowStats, merge_layer_lists
 
 if TYPE_CHECKING:
@@ -63,6 +63,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "INDEX_COLUMNS",
+    "RECHECK_S",
     "PartIndex",
     "PartLayout",
     "PartState",
@@ -80,6 +81,10 @@ _INDEX_CHUNK = 4096  # rows; rewritten (read-modify-write) on each commit
 INDEX_COLUMNS = ("offset", "length", "has_mask", "crc32")  # of index/rows, in its attributes
 # "c.12.0.0" instead of "c/12/0/0": one directory per array instead of two per shard.
 _FLAT_KEYS: Any = {"name": "default", "separator": "."}
+#: After an unclean stop, the samples a writer committed in its last this many seconds are re-read
+#: against their checksums when its part is opened: a disk that lost flushed writes loses the
+#: newest first (the kernel's own writeback of unflushed data takes up to ~30 s).
+RECHECK_S = 30.0
 
 
 class _Frozen(BaseModel):
@@ -101,6 +106,10 @@ class PartState(_Frozen):
     """The committed state of a part (its ``zarr.json`` attribute ``hsdump_part``).
 
     ``index_crc`` is None in parts whose index was last committed before it existed.
+    ``recheck_from``: while a writer has the part open, the first row of the commits of its last
+    `RECHECK_S` seconds (None once it closed cleanly): after an unclean stop those rows are
+    re-read against their checksums when the part is opened. ``dropped``: rows found damaged and
+    dropped from the index (their ids are extracted again).
     """
 
     format: Literal["hsdump-part"] = "hsdump-part"
@@ -116,6 +125,8 @@ class PartState(_Frozen):
     provenance: Provenance | None = None
     stats: list[LayerStats] = []
     index_crc: IndexChecksum | None = None
+    recheck_from: int | None = None
+    dropped: list[int] = []
 
 
 @dataclass
@@ -253,6 +264,7 @@ class PartWriter:
         self._max_inflight = options.shard_writers
         self._small_chunks = threading.Lock()
         self._last_commit = 0.0
+        self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (t, first row)
         # Each commit costs ~7 ms of zarr work (mostly holding the GIL); once per shard, it was a
         # third of the writer thread's time on 16 cores.
         self._commit_interval = options.commit_interval_s
@@ -376,9 +388,10 @@ class PartWriter:
         self._commit_ready(force=True)
 
     def close(self) -> None:
-        """Flush, then stop the background shard writer."""
+        """Flush and record the clean close, then stop the background shard writer."""
         try:
             self.flush()
+            self.mark_clean()
         finally:
             self._flusher.shutdown(wait=True)
 
@@ -484,6 +497,7 @@ class PartWriter:
             stats = merge_layer_lists(stats, p.placed.result().stats)
         new_state = state.model_copy(
             update={
+                "recheck_from": self._recheck_from(n0),
                 "n_committed": n1,
                 "num_tokens": state.num_tokens + sum(p.length for p in ready),
                 "bytes_raw": state.bytes_raw + sum(p.raw_bytes for p in ready),
@@ -496,12 +510,38 @@ class PartWriter:
         # one PUT on S3), only while this writer still holds the part's lock or lease.
         if self._guard is not None:
             self._guard()
-        self.group.update_attributes(state_attributes(STATE_KEY, new_state.model_dump(mode="json")))
-        self.index.state = new_state
+        self._write_state(new_state)
         self.index.sample_ids.extend(sids)
         self.index.rows = np.concatenate([self.index.rows, rows])
         self.index.tokens = np.concatenate([self.index.tokens, tokens])
         self._on_commit(self.index, n0, n1)
+
+    def _recheck_from(self, first: int) -> int:
+        """The first row of the commits of the last `RECHECK_S` seconds, this one included."""
+        now = time.monotonic()
+        self._recent.append((now, first))
+        while self._recent[0][0] < now - RECHECK_S:
+            self._recent.popleft()
+        return self._recent[0][1]
+
+    def _write_state(self, state: PartState) -> None:
+        """Rewrite the part's ``zarr.json``: the commit point (durable when it returns)."""
+        self.group.update_attributes(state_attributes(STATE_KEY, state.model_dump(mode="json")))
+        self.index.state = state
+
+    def drop(self, rows: list[int]) -> None:
+        """Drop committed ``rows`` from the index (damaged: their ids are extracted again)."""
+        if self._guard is not None:
+            self._guard()
+        dropped = sorted(set(self.state.dropped) | set(rows))
+        self._write_state(self.state.model_copy(update={"dropped": dropped}))
+
+    def mark_clean(self) -> None:
+        """Record a clean close: nothing needs re-reading when the part is opened again."""
+        if self.state.recheck_from is not None:
+            if self._guard is not None:
+                self._guard()
+            self._write_state(self.state.model_copy(update={"recheck_from": None}))
 
     # -- arrays ----------------------------------------------------------------------------------
 
@@ -611,9 +651,19 @@ class PartWriter:
             # The next write of this shard rewrites it whole: keep its committed head.
             buf = self._open_shard(self._next)
             start = buf.start
-            buf.rows[:head] = self._shards.read(start, self._next, buf.rows.dtype)
-            buf.ids[:head] = self._arrays["input_ids"][start : self._next]
-            buf.mask[:head] = self._arrays["loss_mask"][start : self._next]
+            try:
+                buf.rows[:head] = self._shards.read(start, self._next, buf.rows.dtype)
+            except DAMAGED as exc:  # lost in a crash: its samples fail their checksums
+                logger.warning(
+                    "part %s: the last shard does not decode (%s); writing on from the next",
+                    self.index.name, exc,
+                )  # fmt: skip
+                self._open = None
+                self._spare.append(buf)
+                self._next = self._flushed_to = start + shard
+            else:
+                buf.ids[:head] = self._arrays["input_ids"][start : self._next]
+                buf.mask[:head] = self._arrays["loss_mask"][start : self._next]
         self._drop_stray_chunks(-(-self._next // shard))
 
     def _drop_stray_chunks(self, first_shard: int) -> None:

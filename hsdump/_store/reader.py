@@ -35,6 +35,7 @@ class CorruptSample(BaseModel):
     sample_id: str
     part: str
     reason: str
+    row: int = -1  # its row in the part's index
 
 
 class VerifyReport(BaseModel):
@@ -221,7 +222,7 @@ def verify_parts(
         part, row = where[sid]
         reason = readers[part].checksum_error(row)
         if reason is not None:
-            bad.append(CorruptSample(sample_id=sid, part=part, reason=reason))
+            bad.append(CorruptSample(sample_id=sid, part=part, reason=reason, row=row))
         if progress is not None:
             progress(n)
     return VerifyReport(

@@ -16,7 +16,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -61,7 +61,7 @@ from hsdump._store.part import (
     load_part_index,
 )
 from hsdump._store.provenance import Provenance, check_compatible, provenance_of
-from hsdump._store.reader import PartReader, VerifyReport, verify_parts
+from hsdump._store.reader import CorruptSample, PartReader, VerifyReport, verify_parts
 from hsdump._store.roots import (
     PART_PREFIX,
     Mode,
@@ -156,14 +156,28 @@ def open_store(
     )
 
 
-def verify_store(path: str | os.PathLike[str] | Any) -> VerifyReport:
+def verify_store(path: str | os.PathLike[str] | Any, *, drop: bool = False) -> VerifyReport:
     """Recompute the checksum of every committed sample of the store at ``path``.
+
+    Args:
+        path: The store.
+        drop: Drop the samples that fail from the index (each part opened as its writer), so
+            that a rerun of the extraction writes them again.
 
     Raises:
         StoreCorruptedError: A metadata file (a part's state or index) is damaged; it is named.
+        PartLockedError: ``drop`` and a live writer holds a part with damaged samples.
     """
     with open_store(path, "r") as store:
-        return store.verify()
+        report = store.verify()
+    by_part: dict[str, list[str]] = {}
+    for bad in report.corrupted if drop else []:
+        by_part.setdefault(bad.part, []).append(bad.sample_id)
+    for part, ids in by_part.items():
+        # Opening the part as its writer drops those found at open (`recovered`) by itself.
+        with open_store(path, "a", writer_id=part.removeprefix(PART_PREFIX)) as writer:
+            writer.drop([sid for sid in ids if sid in writer])
+    return report
 
 
 class HiddenStateStore:
@@ -208,9 +222,18 @@ class HiddenStateStore:
         self._readers: dict[str, PartReader] = {}
         self._where: dict[str, tuple[str, int]] = {}
         self.duplicates: list[str] = []
+        self._damaged: dict[str, list[CorruptSample]] = {}  # by part: rows re-read after a crash
         self.refresh()
         if mode != "r":
             self._writer = self._open_writer(writer_id)
+
+    @property
+    def recovered(self) -> list[CorruptSample]:
+        """Samples committed just before an unclean stop of their writer (a crash, a kill, a power
+        loss) whose stored bytes failed their checksum when the store was opened: they are not in
+        the store, and an extraction run extracts them again. Only the commits of a writer's
+        last `RECHECK_S` seconds before such a stop are re-read; `verify` reads everything."""
+        return [c for found in self._damaged.values() for c in found]
 
     # -- opening ---------------------------------------------------------------------------------
 
@@ -228,6 +251,9 @@ class HiddenStateStore:
             }
             for index in indexes:
                 self._readers[index.name].index = index
+            for index in indexes:
+                if index is not own:
+                    self._recheck(index)
             self._where, self.duplicates = {}, []
             for index in indexes:
                 self._add_rows(index, 0, index.state.n_committed)
@@ -272,8 +298,31 @@ class HiddenStateStore:
             raise damaged(file, "it describes an array, not a part's group")
         return group
 
+    def _recheck(self, index: PartIndex) -> None:
+        """Re-read the rows a writer committed in its last seconds before an unclean stop."""
+        start = index.state.recheck_from
+        if start is None:
+            self._damaged.pop(index.name, None)
+            return
+        skip, reader = set(index.state.dropped), self._readers[index.name]
+        found = []
+        for row in range(start, index.state.n_committed):
+            if row not in skip and (reason := reader.checksum_error(row)) is not None:
+                sid = index.sample_ids[row]
+                found.append(CorruptSample(sample_id=sid, part=index.name, reason=reason, row=row))
+        if found:
+            logger.warning(
+                "%s/%s: %d sample(s) committed just before an unclean stop fail their checksum "
+                "and are left out (extract them again): %s",
+                self.where, index.name, len(found), ", ".join(c.sample_id for c in found),
+            )  # fmt: skip
+        self._damaged[index.name] = found
+
     def _add_rows(self, index: PartIndex, n0: int, n1: int) -> None:
+        left_out = set(index.state.dropped) | {c.row for c in self._damaged.get(index.name, [])}
         for row in range(n0, n1):
+            if row in left_out:
+                continue
             sid = index.sample_ids[row]
             if sid in self._where:
                 self.duplicates.append(sid)
@@ -289,6 +338,12 @@ class HiddenStateStore:
             ttl_s = self._options.lease_ttl_s
             self._part_lock = lock_part(self._root, name, self.where, writer_id, ttl_s=ttl_s)
             writer = self._resume_part(group, name, writer_id, self._part_lock)
+            if damaged := self._damaged.get(name):  # left out since the crash: now for good
+                writer.drop([c.row for c in damaged])
+        except OSError as exc:
+            if self._part_lock is not None:
+                self._part_lock.release()
+            raise os_error(exc, self.where) from exc
         except BaseException:
             if self._part_lock is not None:
                 self._part_lock.release()
@@ -466,6 +521,31 @@ class HiddenStateStore:
                 f"the store at {self.where} is open read-only: open it with mode='a' to write"
             )
         return self._writer
+
+    def drop(self, sample_ids: Iterable[str]) -> None:
+        """Drop committed samples of this writer's part from the store (damaged ones `verify`
+        found, say): they are no longer in it, and a later extraction writes them again.
+
+        Raises:
+            SampleNotFoundError: A sample is not committed in this writer's part.
+        """
+        ids = list(sample_ids)
+        with self._lock:
+            writer = self._require_writer()
+            rows = []
+            for sid in ids:
+                part, row = self._where.get(sid, ("", -1))
+                if part != writer.index.name:
+                    raise SampleNotFoundError(
+                        f"not committed in this writer's part of {self.where} "
+                        f"({writer.index.name}): open the store as the part's writer to drop it",
+                        sample_id=sid,
+                    )
+                rows.append(row)
+            with self._writing():
+                writer.drop(rows)
+            for sid in ids:
+                self._where.pop(sid, None)
 
     def take_refused(self) -> list[Refused]:
         """The samples written unchecked (`HiddenStates.values_checked` False) whose values were
@@ -655,4 +735,15 @@ class HiddenStateStore:
         for name, group in self._parts():
             self._load_index(group, name)
         targets = list(self._where) if sample_ids is None else sample_ids
-        return verify_parts(self._readers, self._where, targets, self.duplicates, progress=progress)
+        report = verify_parts(
+            self._readers, self._where, targets, self.duplicates, progress=progress
+        )
+        left_out = [c for c in self.recovered if sample_ids is None or c.sample_id in sample_ids]
+        if not left_out:
+            return report
+        return report.model_copy(
+            update={
+                "checked": report.checked + len(left_out),
+                "corrupted": [*report.corrupted, *left_out],
+            }
+        )
