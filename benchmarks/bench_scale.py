@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from hsdump import ExtractionSummary, Sample, run_parallel_extraction
+from hsdump import ExtractionSummary, RunOptions, Sample, run_parallel_extraction
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_pipeline import LAYERS, Server, fake_server_process, process_cpu_s, samples
@@ -56,7 +56,7 @@ def run_row(servers: list[Server], batch: list[Sample], store: Path, concurrency
     started = time.perf_counter()
     summary = run_parallel_extraction(
         batch, servers=[(s.url, s.dump_dir) for s in servers], store=store, workers=1,
-        concurrency=concurrency,
+        options=RunOptions(concurrency=concurrency),
     )  # fmt: skip
     wall = time.perf_counter() - started
     server_cpu = sum(process_cpu_s(s.pid) - b for s, b in zip(servers, before, strict=True))
