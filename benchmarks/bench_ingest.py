@@ -16,10 +16,8 @@ store still holds the sample before. Reading into fresh memory costs most in the
 the allocator and the kernel hand out pages never used before (as for each dump of a worker that
 has freed none of that size yet); later rounds reuse freed memory.
 
-Then what an extraction run's store pays to take each dump: read unchecked and placed into a
-shard buffer with its value check, with the rows read from the dump file
-(``HSDUMP_DUMP_READS=file``, the mapping never faulted in) and through the mapping
-(``mapping``, every page faulted in at ingest), side by side, alternately.
+Then what an extraction run pays to take each dump: read unchecked (the mapping's pages faulted
+in at ingest) and placed into a shard buffer with its value check, as the store's placement does.
 
 Then how long the mapped path keeps the process's other threads (the store's codec threads, the
 event loop) from the interpreter lock: the longest wait of a Python thread while the dumps are
@@ -28,8 +26,7 @@ Python's own `mmap.mmap.madvise` (which holds it for the whole call) side by sid
 
 Last, how long the thread that drops the last array on a removed dump is held up (in an extraction
 the event loop or a codec thread): with the dump's pages freed in hsdump's closing thread, and
-freed in that thread itself (the descriptor closed there), side by side; and for a dump read
-unchecked as an extraction run reads it, its mapping never faulted in.
+freed in that thread itself (the descriptor closed there), side by side.
 
 Run ``python benchmarks/bench_ingest.py`` (``--dumps N --rounds R``; ~10 s on 2 cores).
 """
@@ -37,8 +34,6 @@ Run ``python benchmarks/bench_ingest.py`` (``--dumps N --rounds R``; ~10 s on 2 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import shutil
 import sys
 import tempfile
@@ -48,12 +43,10 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 
-import hsdump._mapped as mapped
-from hsdump._client import validate
+from hsdump._client import dumpfiles
 from hsdump._client.loading import Dump, read_dump
 from hsdump._protocol import DumpMeta, ProducerInfo, write_dump
 from hsdump._store.shardbuf import Piece, ShardBuffer, ValueCheck, place_sample
@@ -81,11 +74,6 @@ def publish(root: Path, count: int) -> list[Path]:
     return paths
 
 
-def dump_reads(how: str) -> contextlib.AbstractContextManager[object]:
-    """``HSDUMP_DUMP_READS`` set to ``how`` for the block."""
-    return mock.patch.dict(os.environ, {"HSDUMP_DUMP_READS": how})
-
-
 def placed_round(paths: list[Path], shard: ShardBuffer) -> tuple[float, float]:
     """Thread CPU seconds per GB and GB/s of reading every dump unchecked, as an extraction run
     does, and placing it into a shard buffer with its value check, as the store does."""
@@ -100,55 +88,54 @@ def placed_round(paths: list[Path], shard: ShardBuffer) -> tuple[float, float]:
         placed = place_sample(pieces, dump.aux, dump.final, ids, None, stats, check)
         assert placed.refused is None
         del dump
-    mapped.released()  # the pages freed within the round
+    dumpfiles.released()  # the pages freed within the round
     return (time.thread_time() - cpu) / gb, gb / (time.perf_counter() - wall)
 
 
 @contextmanager
 def reading_only() -> Iterator[None]:
     """The client's fallback: the kernel refuses the advice that fills a mapping."""
-    advice = validate._MADV_POPULATE_READ
-    validate._MADV_POPULATE_READ = 0x7FFF
+    advice = dumpfiles._MADV_POPULATE_READ
+    dumpfiles._MADV_POPULATE_READ = 0x7FFF
     try:
         yield
     finally:
-        validate._MADV_POPULATE_READ = advice
+        dumpfiles._MADV_POPULATE_READ = advice
 
 
 @contextmanager
 def python_madvise() -> Iterator[None]:
     """The baseline: pages faulted in by `mmap.mmap.madvise`, which holds the interpreter lock."""
-    populate = validate.populate
-    validate.populate = lambda mapped, advice: mapped.madvise(advice)  # type: ignore[assignment]
+    populate = dumpfiles.populate
+    dumpfiles.populate = lambda mapped, advice: mapped.madvise(advice)  # type: ignore[assignment]
     try:
         yield
     finally:
-        validate.populate = populate
+        dumpfiles.populate = populate
 
 
 @contextmanager
 def closed_where_dropped() -> Iterator[None]:
     """The baseline: each descriptor closed in the thread that drops its mapping, as a process
     with no closing thread does."""
-    mapped.released()
-    start, closer = mapped._start_closer, mapped._closer
-    mapped._start_closer, mapped._closer = lambda: None, None  # type: ignore[assignment]
+    dumpfiles.released()
+    start, closer = dumpfiles._start_closer, dumpfiles._closer
+    dumpfiles._start_closer, dumpfiles._closer = lambda: None, None  # type: ignore[assignment]
     try:
         yield
     finally:
-        mapped._start_closer, mapped._closer = start, closer  # type: ignore[assignment]
+        dumpfiles._start_closer, dumpfiles._closer = start, closer  # type: ignore[assignment]
 
 
-def drop_stall(root: Path, *, unchecked: bool = False) -> float:
-    """How long dropping a removed dump's states takes the dropping thread, in ms; read as
-    `client.extract` reads it, or ``unchecked`` as an extraction run does."""
+def drop_stall(root: Path) -> float:
+    """How long dropping a removed dump's states takes the dropping thread, in ms."""
     path = publish(Path(tempfile.mkdtemp(dir=root)), 1)[0]
-    dump = read_dump(path, check_values=not unchecked)
+    dump = read_dump(path, check_values=False)  # as an extraction run reads it
     shutil.rmtree(path)  # as the client removes a dump once it is read
     start = time.perf_counter()
     del dump
     stall = time.perf_counter() - start
-    mapped.released()  # the next round starts with these pages freed
+    dumpfiles.released()  # the next round starts with these pages freed
     return stall * 1e3
 
 
@@ -209,40 +196,26 @@ def main() -> None:
                 f"one thread), best {best[0]:.2f} ({best[1]:.2f} GB/s)"
             )
         shard = ShardBuffer.allocate(T, K + 1, H, np.dtype(np.uint16))
-        placing: dict[str, list[tuple[float, float]]] = {"file": [], "mapping": []}
-        for _ in range(args.rounds):
-            for how, runs in placing.items():
-                with dump_reads(how):
-                    runs.append(placed_round(paths, shard))
-        for how, runs in placing.items():
-            best = min(runs)
-            print(
-                f"read unchecked and placed, HSDUMP_DUMP_READS={how:<7}: best {best[0]:.2f} "
-                f"core-s per GB ({best[1]:.2f} GB/s on one thread), rounds "
-                + ", ".join(f"{r[0]:.2f}" for r in runs)
-            )
+        placed = [placed_round(paths, shard) for _ in range(args.rounds)]
+        best = min(placed)
+        print(
+            f"read unchecked and placed: best {best[0]:.2f} core-s per GB ({best[1]:.2f} GB/s on "
+            "one thread), rounds " + ", ".join(f"{r[0]:.2f}" for r in placed)
+        )
         waits: dict[str, list[float]] = {"hsdump": [], "mmap.madvise": []}
-        with dump_reads("mapping"):  # the pages are faulted in at ingest only on this path
-            for _ in range(args.rounds):
-                waits["hsdump"].append(longest_wait(paths))
-                with python_madvise():
-                    waits["mmap.madvise"].append(longest_wait(paths))
+        for _ in range(args.rounds):
+            waits["hsdump"].append(longest_wait(paths))
+            with python_madvise():
+                waits["mmap.madvise"].append(longest_wait(paths))
         print(
             "longest wait of another thread for the interpreter lock while dumps are mapped: "
             + ", ".join(f"{n} {min(v):.1f}-{max(v):.1f} ms" for n, v in waits.items())
         )
-        unchecked = "read unchecked (rows left to the file), freed by hsdump's thread"
-        stalls: dict[str, list[float]] = {
-            "freed by hsdump's thread": [],
-            "freed there": [],
-            unchecked: [],
-        }
+        stalls: dict[str, list[float]] = {"freed by hsdump's thread": [], "freed there": []}
         for _ in range(args.rounds):
             stalls["freed by hsdump's thread"].append(drop_stall(root))
             with closed_where_dropped():
                 stalls["freed there"].append(drop_stall(root))
-            with dump_reads("file"):
-                stalls[unchecked].append(drop_stall(root, unchecked=True))
         print(
             "the thread dropping a removed dump's states is held: "
             + ", ".join(f"{n} {min(v):.1f}-{max(v):.1f} ms" for n, v in stalls.items())
