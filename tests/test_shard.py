@@ -13,9 +13,7 @@ import torch
 from _stores import stored_bits
 from typer.testing import CliRunner
 
-from hsdump._cli import app
-from hsdump._run.inputs import Shard
-from hsdump.testing import FakeServer
+from hsdump.testing import FakeServer, cli_app
 
 CLI = [sys.executable, "-m", "hsdump", "extract"]
 
@@ -30,13 +28,32 @@ def _dataset(path: Path, n: int) -> Path:
     return path
 
 
-def test_every_id_falls_in_exactly_one_shard_whatever_the_count() -> None:
+def _reported(server: FakeServer, data: Path, shard: str, out: Path) -> list[str | None]:
+    """The ids of the bad lines that ``hsdump extract --shard`` reports (None: a line without
+    one): each shard reports the bad lines of its own samples."""
+    args = ["extract", str(data), "--out", str(out), "--shard", shard, "--workers", "1"]
+    result = CliRunner().invoke(
+        cli_app, [*args, "--server-url", server.url, "--dump-dir", str(server.dump_dir)]
+    )
+    assert result.exit_code == 1, result.output
+    failures = out.with_name(f"{out.name}.failures.jsonl").read_text().splitlines()
+    return [json.loads(line)["id"] for line in failures]
+
+
+def test_every_id_falls_in_exactly_one_shard_whatever_the_count(tmp_path: Path) -> None:
     ids = [f"conv-{i}" for i in range(500)]
-    for count in (1, 2, 3, 7):
-        owners = [[s for s in range(count) if Shard(s, count).holds(i)] for i in ids]
-        assert all(len(o) == 1 for o in owners)
-        sizes = [sum(o == [s] for o in owners) for s in range(count)]
-        assert min(sizes) > 0
+    bad = [{"id": i, "input_ids": [1], "loss_mask": [1, 1]} for i in ids]  # each a bad line
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in bad) + "{no id\n")
+    with FakeServer(tmp_path / "dumps", hidden_size=8) as server:
+        for count in (1, 2, 3, 7):
+            shards = [
+                _reported(server, data, f"{s}/{count}", tmp_path / f"{s}of{count}.zarr")
+                for s in range(count)
+            ]
+            assert sorted(i for shard in shards for i in shard if i) == sorted(ids)
+            assert min(len(shard) for shard in shards) > 0
+            assert [None in shard for shard in shards] == [s == 0 for s in range(count)]
 
 
 @pytest.mark.slow
@@ -72,7 +89,7 @@ def test_three_shards_on_three_servers_store_what_one_run_stores(tmp_path: Path)
         assert [run.returncode for run in runs] == [0, 0, 0], errors
         one = servers[0]
         result = CliRunner().invoke(
-            app,
+            cli_app,
             ["extract", str(data), "--out", str(tmp_path / "one.zarr"), "--server-url", one.url,
              "--dump-dir", str(one.dump_dir), "--workers", "1"],
         )  # fmt: skip
@@ -88,5 +105,7 @@ def test_three_shards_on_three_servers_store_what_one_run_stores(tmp_path: Path)
 
 def test_a_malformed_shard_is_a_one_line_error(tmp_path: Path) -> None:
     data = _dataset(tmp_path / "d.jsonl", 2)
-    result = CliRunner().invoke(app, ["extract", str(data), "--out", "x.zarr", "--shard", "3/3"])
+    result = CliRunner().invoke(
+        cli_app, ["extract", str(data), "--out", "x.zarr", "--shard", "3/3"]
+    )
     assert result.exit_code == 2 and "0 <= I < N" in result.output
