@@ -21,6 +21,9 @@
 #                measures server alone, dump-only, store alone and hsdump extract at 1/8/32 in flight
 #                (KIMI_ARGS passes it options; KIMI_HUGE=1 puts the dumps and the memory store on a
 #                tmpfs mounted with huge=within_size at /mnt/hsdump-huge instead of /dev/shm; needs root)
+#   e2e          the kimi server: benchmarks/gpu_e2e.py times hsdump extract from launch until a sync
+#                after it returns, against the server alone and the disk's rate; E2E_BASELINE names
+#                a directory holding another build's source (its hsdump is run alternately)
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 REPO=$(pwd)
@@ -153,6 +156,17 @@ for stage in $STAGES; do
            python3 benchmarks/gpu_kimi.py --dump-dir $HSDUMP_DUMP_DIR --shm $MEM/kimi-store --out "$OUT" ${KIMI_ARGS:-} || status=1
            grep -hE "Traceback|hsdump.*(fail|error)" "$OUT/server_kimi.log" | head -10
            grep -h "hsdump" "$OUT/server_kimi.log" | tail -12
+           stop_server; unset HSDUMP_DUMP_DIR ;;
+    e2e) make_kimi
+           export HSDUMP_DUMP_DIR=/dev/shm/hsdump-e2e
+           start_server e2e sglang.launch_server --model-path /tmp/kimi --enable-return-hidden-states || { status=1; continue; }
+           builds=(--build "this=/tmp/hs:/tmp/site")
+           if [ -n "${E2E_BASELINE:-}" ]; then
+             python3 -m pip install -q --no-index --no-deps --no-build-isolation --target /tmp/hs-base "$E2E_BASELINE" || exit 1
+             builds+=(--build "baseline=/tmp/hs-base:/tmp/site")
+           fi
+           python3 benchmarks/gpu_e2e.py --dump-dir $HSDUMP_DUMP_DIR --out "$OUT" "${builds[@]}" ${E2E_ARGS:-} || status=1
+           grep -hE "Traceback|hsdump.*(fail|error)" "$OUT/server_e2e.log" | head -10
            stop_server; unset HSDUMP_DUMP_DIR ;;
     bench_plain) make_1b
            start_server bench_plain sglang.launch_server "${BENCH_ARGS[@]}" || { status=1; continue; }
