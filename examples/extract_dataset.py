@@ -15,7 +15,14 @@ import tempfile
 import time
 from importlib import resources
 
-from hsdump import HiddenStateClient, ReferenceServer, Sample, open_store, run_extraction
+from hsdump import (
+    HiddenStateClient,
+    ReferenceServer,
+    RunOptions,
+    Sample,
+    open_store,
+    run_extraction,
+)
 
 
 def parse_args(argv=None):
@@ -60,9 +67,8 @@ async def extract(samples, url, dump_dir, store_path, concurrency):
     async with HiddenStateClient(url, dump_dir=dump_dir, max_in_flight=concurrency) as client:
         with open_store(store_path, "a") as store:
             # Skips what an earlier run stored, retries transient failures, commits as it goes.
-            summary = await run_extraction(
-                samples, client=client, store=store, concurrency=concurrency, progress=Progress()
-            )
+            options = RunOptions(concurrency=concurrency, progress=Progress())
+            summary = await run_extraction(samples, client=client, store=store, options=options)
     # Closing the store committed its last, partly filled shard: now every sample is visible.
     with open_store(store_path, "r") as store:
         return summary, len(store), store.num_tokens
