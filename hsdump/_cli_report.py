@@ -111,6 +111,13 @@ def print_summary(
     if signalled or summary.interrupted:
         first_failure = fail_fast and summary.failures and not signalled
         state = "stopped at the first failure" if first_failure else "interrupted"
+    if summary.recovered:
+        shown = ", ".join(summary.recovered[:10]) + (", ..." if len(summary.recovered) > 10 else "")
+        console.print(
+            f"[yellow]re-extracted {len(summary.recovered)} sample(s)[/] committed before an "
+            f"unclean stop whose stored bytes failed their checksums: {shown}",
+            highlight=False,
+        )
     console.print(
         f"{state}: {summary.samples_done} samples written, {summary.skipped} skipped, "
         f"{summary.tokens_done:,} tokens, {summary.bytes_raw / 1e6:.1f} MB raw, "

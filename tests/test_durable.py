@@ -100,3 +100,36 @@ def test_a_store_opened_from_a_zarr_local_store_is_written_durably_too(
     zarr_json = os.fspath(tmp_path / "s.zarr" / "part-default" / "zarr.json")
     flushed = [p for c, p in syscalls if c == "fdatasync"]
     assert any(p.startswith(zarr_json) for p in flushed)
+
+
+@pytest.mark.anyio
+async def test_a_run_counts_a_sample_done_only_once_its_commit_is_on_disk(tmp_path: Path) -> None:
+    from hsdump import (
+        ExtractionSummary,
+        HiddenStateClient,
+        RunOptions,
+        Sample,
+        StoreOptions,
+        open_store,
+        run_extraction,
+    )
+    from hsdump.testing import FakeServer
+
+    samples = [Sample(f"s{i}", [i + 1] * 6) for i in range(6)]
+    seen: list[tuple[int, int]] = []  # (samples done, samples committed) at each report
+    # No commit until the run's last flush: a sample written to a shard is not yet done.
+    options = StoreOptions(commit_interval_s=3600)
+    with (
+        FakeServer(tmp_path / "dumps", hidden_size=8) as server,
+        open_store(tmp_path / "s.zarr", "a", options=options) as store,
+    ):
+
+        def report(summary: ExtractionSummary) -> None:
+            seen.append((summary.samples_done, len(store)))
+
+        async with HiddenStateClient(server.url, dump_dir=server.dump_dir) as client:
+            run = RunOptions(progress=report)
+            summary = await run_extraction(samples, client=client, store=store, options=run)
+    assert summary.samples_done == 6 and summary.tokens_done == 36
+    assert all(done == committed for done, committed in seen)
+    assert seen[-2][0] == 0, "samples written but not committed were counted as done"

@@ -27,6 +27,7 @@ from hsdump._exceptions import ConfigError, SampleExistsError, StoreError
 
 if TYPE_CHECKING:
     from hsdump._store.part import Refused
+    from hsdump._store.reader import CorruptSample
     from hsdump._types import HiddenStates, Sample
 
 __all__ = [
@@ -179,7 +180,9 @@ class ExtractionSummary:
         samples_total: Samples to extract in this run (committed ones excluded).
         tokens_total: Their tokens.
         skipped: Samples already in the store.
-        samples_done: Samples committed in this run.
+        recovered: Ids of samples committed before an unclean stop whose stored bytes failed
+            their checksums: extracted again in this run (`HiddenStateStore.recovered`).
+        samples_done: Samples committed in this run: counted once their commit is durable.
         tokens_done: Their tokens.
         bytes_raw: Hidden-state bytes committed, before compression.
         bytes_stored: Bytes the store has written to disk in this run, when it reports them.
@@ -202,6 +205,7 @@ class ExtractionSummary:
     samples_total: int = 0
     tokens_total: int = 0
     skipped: int = 0
+    recovered: list[str] = field(default_factory=list)
     samples_done: int = 0
     tokens_done: int = 0
     bytes_raw: int = 0
@@ -292,6 +296,26 @@ class SampleSink(Protocol):
 
     def __contains__(self, sample_id: object) -> bool:
         """Whether the sample is committed."""
+        ...
+
+    def __len__(self) -> int:
+        """Samples committed (durable where the sink is: a run counts a sample done only then)."""
+        ...
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the committed samples."""
+        ...
+
+    @property
+    def bytes_raw(self) -> int:
+        """Raw hidden-state bytes of the committed samples."""
+        ...
+
+    @property
+    def recovered(self) -> Sequence[CorruptSample]:
+        """Samples committed before an unclean stop that failed their checksums when the sink
+        opened: they are not in it, and the run extracts them again."""
         ...
 
     async def awrite(self, states: HiddenStates) -> Any:
@@ -407,6 +431,7 @@ def plan_samples(
         todo = list(samples)
     else:
         with opened_store as opened:
+            summary.recovered = [c.sample_id for c in opened.recovered]
             todo = [s for s in samples if s.id not in opened]
             for sample in (s for s in samples if s.id in opened):
                 exc = token_change(opened, sample)

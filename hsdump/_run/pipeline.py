@@ -91,6 +91,7 @@ class _Run:
         self._write_slots = anyio.Semaphore(self._writes)
         self._cpu_start = time.process_time()
         self._store_start = (store.bytes_raw_written, store.bytes_stored)
+        self._committed_start = (len(store), store.num_tokens, store.bytes_raw)
         stats = _client_stats(client)
         self._client_start = stats.copy() if stats is not None else None
         self._extract = _extract_call(client, options.fail_fast)
@@ -100,6 +101,7 @@ class _Run:
         todo = [s for s in samples if s.id not in self.store]
         changed = [s for s in samples if s.id in self.store and self._tokens_changed(s)]
         self.summary.skipped = len(samples) - len(todo) - len(changed)
+        self.summary.recovered = [c.sample_id for c in self.store.recovered]
         self.summary.samples_total = len(todo)
         self.summary.tokens_total = sum(len(s.input_ids) for s in todo)
         return todo
@@ -188,9 +190,6 @@ class _Run:
             self.fail(sample.id, exc, attempt)
             return False
         self._add_stage("store_write", time.perf_counter() - started)
-        self.summary.samples_done += 1
-        self.summary.tokens_done += states.num_tokens
-        self.summary.bytes_raw += states.nbytes
         if attempt > 1 and not states.values_checked:
             self._retried[sample.id] = attempt
         self.count_stored()
@@ -198,23 +197,25 @@ class _Run:
         return not self.take_refused()
 
     def take_refused(self) -> int:
-        """Count the samples the store refused since the last call as failed; how many.
+        """Record the samples the store refused since the last call as failed; how many.
 
         Only samples written with their values unchecked (`extract_unchecked`) are refused, once
-        their rows are placed: they were counted as written, and are not in the store.
+        their rows are placed: they are never committed, so never counted as done.
         """
         refused = self.store.take_refused()
         for r in refused:
-            self.summary.samples_done -= 1
-            self.summary.tokens_done -= r.num_tokens
-            self.summary.bytes_raw -= r.raw_bytes
             self.fail(r.sample_id, r.error, self._retried.pop(r.sample_id, 1))
         return len(refused)
 
     def count_stored(self) -> None:
-        """Follow the store's own counters: it buffers samples and compresses whole shards."""
-        self.summary.store_bytes_raw = self.store.bytes_raw_written - self._store_start[0]
-        self.summary.bytes_stored = self.store.bytes_stored - self._store_start[1]
+        """Follow the store's own counters: it buffers samples, compresses whole shards, and a
+        sample is done only once its commit is durable."""
+        store, (samples, tokens, raw) = self.store, self._committed_start
+        self.summary.samples_done = len(store) - samples
+        self.summary.tokens_done = store.num_tokens - tokens
+        self.summary.bytes_raw = store.bytes_raw - raw
+        self.summary.store_bytes_raw = store.bytes_raw_written - self._store_start[0]
+        self.summary.bytes_stored = store.bytes_stored - self._store_start[1]
 
     async def flush(self) -> None:
         with anyio.CancelScope(shield=True):
@@ -316,7 +317,7 @@ async def _drive(
         raise
     finally:
         await run.flush()
-        run._report_counters()
+        run._report()  # what the last flush committed
         summary.finished = time.monotonic()
     if source.left():
         summary.interrupted = True  # fail-fast stopped the run with samples left
