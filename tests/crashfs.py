@@ -121,49 +121,66 @@ class Mount:
 def mounted(backing: Path, mountpoint: Path, log: Path) -> Iterator[Mount]:
     """Serve ``backing`` at ``mountpoint`` from a child process until the block ends.
 
-    On exit the file system is unmounted and its process has ended; the log is complete.
+    On exit the file system is unmounted and its process has ended; the log is complete. The
+    process's messages go to ``<log>.stderr``.
 
     Raises:
         FuseUnavailable: The mount failed (the child's error is in the message).
     """
     mountpoint.mkdir(parents=True, exist_ok=True)
+    stderr = log.with_name(log.name + ".stderr")
     args = [sys.executable, __file__, str(backing), str(mountpoint), str(log)]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with open(stderr, "w") as err:
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
+    _await_ready(proc, mountpoint, stderr)
     try:
-        _await_ready(proc, mountpoint)
         yield Mount(mountpoint, backing, log, proc.pid)
     finally:
-        _unmount(proc, mountpoint)
+        _unmount(proc, mountpoint, stderr)
 
 
-def _await_ready(proc: subprocess.Popen[str], mountpoint: Path) -> None:
-    """Block until the server answered the kernel's INIT, or it died."""
+def _await_ready(proc: subprocess.Popen[str], mountpoint: Path, stderr: Path) -> None:
+    """Block until the server has answered the kernel's INIT, or has died."""
     assert proc.stdout is not None
     readable, _, _ = select.select([proc.stdout], [], [], _MOUNT_TIMEOUT_S)
-    line = proc.stdout.readline() if readable else ""
-    if line.strip() != _READY:
-        proc.kill()
-        _, err = proc.communicate()
-        raise FuseUnavailable(
-            f"crashfs did not mount at {mountpoint} (exit {proc.returncode}): {err.strip()[-2000:]}"
-        )
+    if readable and proc.stdout.readline().strip() == _READY:
+        return
+    proc.kill()
+    proc.wait()
+    assert proc.stdout is not None
+    proc.stdout.close()
+    _detach(mountpoint)
+    raise FuseUnavailable(
+        f"crashfs did not mount at {mountpoint} (exit {proc.returncode}): {_tail(stderr)}"
+    )
 
 
-def _unmount(proc: subprocess.Popen[str], mountpoint: Path) -> None:
+def _detach(mountpoint: Path) -> None:
     fusermount = _fusermount()
-    if proc.poll() is None and fusermount is not None:
-        done = subprocess.run([fusermount, "-u", str(mountpoint)], capture_output=True, text=True)
+    if fusermount is not None and is_mounted(mountpoint):
+        done = subprocess.run([fusermount, "-u", str(mountpoint)], capture_output=True)
         if done.returncode != 0:  # busy: detach it, so the test run leaves no mount behind
             subprocess.run([fusermount, "-u", "-z", str(mountpoint)], capture_output=True)
+
+
+def _unmount(proc: subprocess.Popen[str], mountpoint: Path, stderr: Path) -> None:
+    _detach(mountpoint)
     try:
-        _, err = proc.communicate(timeout=_MOUNT_TIMEOUT_S)
+        proc.wait(timeout=_MOUNT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         proc.kill()
-        _, err = proc.communicate()
-    if proc.returncode != 0:
-        raise RuntimeError(f"crashfs exited with {proc.returncode}: {err.strip()[-2000:]}")
+        proc.wait()
+    finally:
+        assert proc.stdout is not None
+        proc.stdout.close()
     if is_mounted(mountpoint):
         raise RuntimeError(f"{mountpoint} is still mounted after fusermount -u")
+    if proc.returncode != 0:
+        raise RuntimeError(f"crashfs exited with {proc.returncode}: {_tail(stderr)}")
+
+
+def _tail(path: Path) -> str:
+    return path.read_text(errors="replace").strip()[-2000:]
 
 
 def is_mounted(mountpoint: Path) -> bool:

@@ -1,6 +1,6 @@
 """Replay a crashfs operation log into the tree a power loss after any prefix of it may leave.
 
-The durability model is the strictest that POSIX allows (the ALICE/LazyFS view of a disk):
+A crash keeps what was made durable and nothing more (the LazyFS view of a disk):
 
 - a file's content is durable only at an ``fsync`` or ``fdatasync`` of that file, and what is
   durable is its whole content at that moment; later writes, truncations and ``sync_file_range``
@@ -13,8 +13,13 @@ The durability model is the strictest that POSIX allows (the ALICE/LazyFS view o
   not synced is gone with everything under it;
 - the tree at mount time is durable.
 
+A disk may also keep more than that. ``names="made"`` builds the other extreme, the one ext4's
+delayed allocation is known for: every name as it was made (a journal committed ahead of the data),
+each file's content still only what was last synced, so a file renamed into place unsynced is
+empty.
+
 `Replay.apply` runs one operation on a model of the volatile tree and of what is durable;
-`Replay.materialise` writes the durable tree as real files. `read_log` parses crashfs's log.
+`Replay.materialise` writes a tree as real files. `read_log` parses crashfs's log.
 """
 
 from __future__ import annotations
@@ -25,7 +30,10 @@ import posixpath
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+Names = Literal["synced", "made"]
+Data = Literal["synced", "made"]
 
 
 @dataclass(frozen=True)
@@ -35,11 +43,6 @@ class Op:
     index: int
     op: str
     fields: dict[str, Any]
-
-    @property
-    def path(self) -> str:
-        """The path the operation names (the new name of a rename or link), or ``""``."""
-        return str(self.fields.get("new") or self.fields.get("path") or "")
 
     def describe(self) -> str:
         """The operation as a short line for messages."""
@@ -156,26 +159,34 @@ class Replay:
 
     # -- the trees -------------------------------------------------------------------------------
 
-    def materialise(self, dest: Path, *, durable: bool = True) -> None:
-        """Write the tree a crash now leaves (``durable``), or the tree as it is, into ``dest``."""
+    def materialise(self, dest: Path, *, names: Names = "synced", data: Data = "synced") -> None:
+        """Write a tree into ``dest``: by default the one a crash now leaves.
+
+        Args:
+            dest: The directory to write it in (made if missing).
+            names: ``"synced"``: the directory entries of each directory's last fsync;
+                ``"made"``: the entries as they are now.
+            data: ``"synced"``: each file's content at its last fsync (empty if none);
+                ``"made"``: its content now.
+        """
         dest.mkdir(parents=True, exist_ok=True)
-        for rel, node in self._walk(0, "", durable, frozenset()):
+        for rel, node in self._walk(0, "", names == "synced", frozenset()):
             out = dest / rel
             if node.kind == "dir":
                 out.mkdir(exist_ok=True)
             else:
-                data = node.durable_data if durable else bytes(node.data)
-                out.write_bytes(data or b"")
+                content = (node.durable_data or b"") if data == "synced" else bytes(node.data)
+                out.write_bytes(content)
 
     def _walk(
-        self, node_id: int, rel: str, durable: bool, above: frozenset[int]
+        self, node_id: int, rel: str, synced: bool, above: frozenset[int]
     ) -> Iterator[tuple[str, _Node]]:
         node = self._nodes[node_id]
-        entries = node.durable_entries if durable else node.entries
+        entries = node.durable_entries if synced else node.entries
         for name, child in sorted(entries.items()):
             if child in above or child == node_id:  # a directory moved below itself over syncs
                 continue
             path = posixpath.join(rel, name)
             yield path, self._nodes[child]
             if self._nodes[child].kind == "dir":
-                yield from self._walk(child, path, durable, above | {node_id})
+                yield from self._walk(child, path, synced, above | {node_id})

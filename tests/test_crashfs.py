@@ -97,15 +97,17 @@ def _tree(root: Path) -> Tree:
     }
 
 
+def _marker(ops: list[Op], label: str) -> int:
+    return next(op.index for op in ops if op.op == "marker" and op.fields["label"] == label)
+
+
 def _crash_at(ops: list[Op], label: str, tmp_path: Path) -> Tree:
     """The tree a power loss right at marker ``label`` leaves."""
     replay = Replay()
-    for op in ops:
-        if op.op == "marker" and op.fields["label"] == label:
-            replay.materialise(tmp_path / label)
-            return _tree(tmp_path / label)
+    for op in ops[: _marker(ops, label)]:
         replay.apply(op)
-    raise AssertionError(f"no marker {label!r} in the log")
+    replay.materialise(tmp_path / label)
+    return _tree(tmp_path / label)
 
 
 def test_a_new_name_is_lost_until_its_directory_is_synced(
@@ -113,6 +115,16 @@ def test_a_new_name_is_lost_until_its_directory_is_synced(
 ) -> None:
     assert _crash_at(scripted.ops, "renamed", tmp_path) == {"old": b"mount-time"}
     assert _crash_at(scripted.ops, "root-synced", tmp_path) == {"d": None, "old": b"mount-time"}
+
+
+def test_names_kept_as_made_show_unsynced_data_as_empty_files(
+    scripted: Scripted, tmp_path: Path
+) -> None:
+    replay = Replay()
+    for op in scripted.ops[: _marker(scripted.ops, "renamed")]:
+        replay.apply(op)
+    replay.materialise(tmp_path, names="made")
+    assert _tree(tmp_path) == {"d": None, "d/a": b"", "old": b"mount-time"}
 
 
 def test_a_durable_name_whose_data_was_never_synced_is_an_empty_file(
@@ -153,7 +165,7 @@ def test_the_whole_log_replays_to_the_backing_directory(scripted: Scripted, tmp_
     replay = Replay()
     for op in scripted.ops:
         replay.apply(op)
-    replay.materialise(tmp_path / "replayed", durable=False)
+    replay.materialise(tmp_path / "replayed", names="made", data="made")
     assert _tree(tmp_path / "replayed") == _tree(scripted.backing)
     assert [m.fields["label"] for m in replay.markers][:2] == ["renamed", "root-synced"]
     assert not [p for p in _tree(scripted.backing) if "crash-marker" in p]

@@ -2,10 +2,11 @@
 
 The writer (tests/power_loss_writer.py) runs once, uninterrupted, on crashfs (tests/crashfs.py),
 which logs every change it makes and a marker after each flush returns. tests/crashreplay.py then
-builds, for each crash point, the tree a power loss after that prefix of the log may leave (data
-durable only once fsynced, names only once their directory is fsynced), and the store found there
-is checked: it opens, every sample of the last marker reads back bit-exact, and whatever else is
-visible is whole. A rerun of the writer on a few of these trees completes the store.
+builds, for each crash point, the tree a power loss after that prefix of the log may leave: data
+durable only once fsynced, and names either only once their directory is fsynced (``synced``) or
+all as they were made (``made``, the zero-length files of ext4's delayed allocation). The store
+found there must open, every sample of the last marker must read back bit-exact, and whatever
+else is visible must be whole. A rerun of the writer on a few of these trees completes the store.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from crashfs import FuseUnavailable, mounted, require_fuse
-from crashreplay import Op, Replay, read_log
+from crashreplay import Names, Op, Replay, read_log
 from power_loss_writer import DURABLE, FLUSH_EVERY, make_sample, sample_ids, write_all
 
 from hsdump import (
@@ -104,10 +105,11 @@ def crash_points(ops: list[Op], rng: random.Random) -> list[CrashPoint]:
 
 
 def crash_states(
-    ops: list[Op], points: list[CrashPoint], base: Path
+    ops: list[Op], points: list[CrashPoint], base: Path, names: Names = "synced"
 ) -> Iterator[tuple[Path, list[str]]]:
-    """For each point in order: a directory holding the tree a crash there leaves, and the ids
-    of the last marker before it (empty before the first)."""
+    """For each point in order: a directory holding the tree a crash there leaves (its names
+    as `Replay.materialise` keeps them), and the ids of the last marker before it (empty before
+    the first)."""
     replay, done = Replay(), 0
     for point in points:
         for op in ops[done : point.at]:
@@ -115,7 +117,7 @@ def crash_states(
         done = point.at
         label = replay.markers[-1].fields["label"] if replay.markers else DURABLE
         tree = base / f"crash-{point.at}"
-        replay.materialise(tree)
+        replay.materialise(tree, names=names)
         yield tree, [sid for sid in label.removeprefix(DURABLE).split(",") if sid]
         shutil.rmtree(tree)
 
@@ -187,7 +189,7 @@ def test_the_log_replays_to_the_tree_the_writer_left(recording: Recording, tmp_p
     replay = Replay()
     for op in recording.ops:
         replay.apply(op)
-    replay.materialise(tmp_path, durable=False)
+    replay.materialise(tmp_path, names="made", data="made")
     assert _files(tmp_path) == _files(recording.store.parent)
     assert len(replay.markers) == len(sample_ids()) // FLUSH_EVERY
     assert store_problems(recording.store, sample_ids()) == []
@@ -200,14 +202,17 @@ def _files(root: Path) -> dict[str, bytes | None]:
     }
 
 
+@pytest.mark.parametrize("names", ["synced", "made"])
 def test_a_power_loss_at_any_point_keeps_what_flush_reported_durable(
-    recording: Recording, tmp_path: Path
+    recording: Recording, tmp_path: Path, names: Names
 ) -> None:
+    """Names kept only where their directory was synced, or every name as made (data only where
+    synced, either way): the promise holds at every crash point."""
     points = crash_points(recording.ops, random.Random(41))
     assert len(points) >= CRASH_POINTS
     failed: list[tuple[CrashPoint, list[str]]] = []
     for point, (tree, durable) in zip(
-        points, crash_states(recording.ops, points, tmp_path), strict=True
+        points, crash_states(recording.ops, points, tmp_path, names), strict=True
     ):
         if problems := store_problems(tree / STORE, durable):
             failed.append((point, problems))
@@ -217,9 +222,12 @@ def test_a_power_loss_at_any_point_keeps_what_flush_reported_durable(
         pytest.fail(f"{len(failed)} of {len(points)} crash points lose a promise {kinds}:\n{shown}")
 
 
+@pytest.mark.parametrize("names", ["synced", "made"])
 def test_a_rerun_after_a_power_loss_completes_to_the_uninterrupted_contents(
-    recording: Recording, tmp_path: Path
+    recording: Recording, tmp_path: Path, names: Names
 ) -> None:
+    """The writer rerun on the tree a crash leaves writes only what is not committed, and the
+    store ends bit-identical to the one the uninterrupted run left."""
     rng = random.Random(7)
     points = crash_points(recording.ops, rng)
     inside = [p for p in points if p.kind == "inside a commit"]
@@ -228,9 +236,16 @@ def test_a_rerun_after_a_power_loss_completes_to_the_uninterrupted_contents(
         [inside[0], *rng.sample(inside[1:], 2), *rng.sample(after, RERUNS - 3)], key=lambda p: p.at
     )
     want = _contents(recording.store)
-    for point, (tree, _) in zip(chosen, crash_states(recording.ops, chosen, tmp_path), strict=True):
-        before = _committed(tree / STORE)
-        assert write_all(str(tree / STORE)) == len(want) - len(before), _where(recording.ops, point)
+    states = crash_states(recording.ops, chosen, tmp_path, names)
+    for point, (tree, _) in zip(chosen, states, strict=True):
+        try:
+            before = _committed(tree / STORE)
+            written = write_all(str(tree / STORE))
+        except HsdumpError as exc:
+            raise AssertionError(
+                f"{_where(recording.ops, point)}: the rerun fails: {exc!r}"
+            ) from None
+        assert written == len(want) - len(before), _where(recording.ops, point)
         assert _contents(tree / STORE) == want, _where(recording.ops, point)
 
 
