@@ -105,9 +105,15 @@ def _ones_file(tmp_path: Path, shape: tuple[int, ...] = (64, 2, 512)) -> tuple[P
     return file, bits
 
 
-def test_a_file_is_mapped_not_copied_and_outlives_its_removal(tmp_path: Path) -> None:
+@pytest.mark.parametrize("check_values", [True, False], ids=["checked", "unchecked"])
+def test_a_file_is_mapped_not_copied_and_outlives_its_removal(
+    tmp_path: Path, check_values: bool
+) -> None:
+    """Also unchecked, as an extraction run reads its dumps (the store checks the values)."""
     file, bits = _ones_file(tmp_path)
-    read = read_checked(file, bits.shape, "bfloat16", "aux", rid="hsdump-r")
+    read = read_checked(
+        file, bits.shape, "bfloat16", "aux", rid="hsdump-r", check_values=check_values
+    )
     assert _mapped(file)
     file.unlink()  # as the client removes a dump once it is read
     assert np.array_equal(read, bits)
@@ -213,10 +219,13 @@ def test_where_a_mapping_cannot_be_filled_the_file_is_read_and_checked(
         read_checked(file, bits.shape, "bfloat16", "aux", rid="hsdump-r")
 
 
-@pytest.mark.parametrize("advice", [dumpfiles._MADV_POPULATE_READ, 0x7FFF])
+@pytest.mark.parametrize("check_values", [True, False], ids=["checked", "unchecked"])
+@pytest.mark.parametrize("advice", [dumpfiles._MADV_POPULATE_READ, 0x7FFF], ids=["map", "read"])
 def test_a_file_cut_short_after_its_size_was_checked_is_refused_not_a_crash(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, advice: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, advice: int, check_values: bool
 ) -> None:
+    """The mapping's pages are faulted in up front, so a file cut short raises here, not SIGBUS at
+    the store's first touch: also for a dump read unchecked."""
     checked = dumpfiles.check_file_size
 
     def check_then_cut(file: Path, *args: object, **kwargs: object) -> None:
@@ -227,10 +236,25 @@ def test_a_file_cut_short_after_its_size_was_checked_is_refused_not_a_crash(
     monkeypatch.setattr(dumpfiles, "_MADV_POPULATE_READ", advice)
     file, bits = _ones_file(tmp_path)
     with pytest.raises(DumpValidationError, match="shrank") as info:
-        read_checked(file, bits.shape, "bfloat16", "aux", sample_id="s1", rid="hsdump-r")
+        read_checked(
+            file, bits.shape, "bfloat16", "aux", sample_id="s1", rid="hsdump-r",
+            check_values=check_values,
+        )  # fmt: skip
     assert info.value.sample_id == "s1"
     gc.collect()
     assert not _mapped(file)
+
+
+def test_an_unchecked_read_hands_non_finite_values_on_for_the_store_to_refuse(
+    tmp_path: Path,
+) -> None:
+    file, bits = _ones_file(tmp_path)
+    bits[40, 0, 3] = 0x7F80  # +Inf
+    bits.tofile(file)
+    read = read_checked(file, bits.shape, "bfloat16", "aux", rid="hsdump-r", check_values=False)
+    assert np.array_equal(read, bits)
+    with pytest.raises(NonFiniteValues, match="token 40"):
+        read_checked(file, bits.shape, "bfloat16", "aux", rid="hsdump-r")
 
 
 def test_a_file_of_the_wrong_size_is_refused_with_both_sizes(tmp_path: Path) -> None:
