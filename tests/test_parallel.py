@@ -16,8 +16,15 @@ import pytest
 import torch
 from _servers import count_requests
 
-from hsdump import Sample, WorkerError, open_store, run_parallel_extraction, verify_store
-from hsdump.testing import FakeServer, Fault
+from hsdump import (
+    RunOptions,
+    Sample,
+    WorkerError,
+    open_store,
+    run_parallel_extraction,
+    verify_store,
+)
+from hsdump.testing import FakeServer, Fault, cli_app
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,11 +44,20 @@ def fake(tmp_path: Path):
         yield server
 
 
-def _run(server: FakeServer, store: Path, samples: list[Sample], **options):
-    options = {"workers": 2, "concurrency": 2, **options}
+def _run(  # type: ignore[no-untyped-def]
+    server: FakeServer,
+    store: Path,
+    samples: list[Sample],
+    *,
+    workers: int = 2,
+    client_options: dict | None = None,
+    **options,
+):
+    """``run_parallel_extraction`` on ``server``; ``options`` are `RunOptions` (concurrency 2)."""
     return run_parallel_extraction(
-        samples, url=server.url, dump_dir=server.dump_dir, store=store, **options
-    )
+        samples, url=server.url, dump_dir=server.dump_dir, store=store, workers=workers,
+        options=RunOptions(**{"concurrency": 2, **options}), client_options=client_options,
+    )  # fmt: skip
 
 
 def _contents(store: Path) -> dict[str, tuple[torch.Tensor, torch.Tensor, list[int]]]:
@@ -69,70 +85,6 @@ def test_workers_store_what_one_process_stores(fake, tmp_path) -> None:
         assert torch.equal(par[sid][0], aux) and torch.equal(par[sid][1], final)
         assert par[sid][2] == ids
     assert _dumps_left(fake) == []
-
-
-# -- store processes (HSDUMP_STORE_PROCESS=1) ------------------------------------------------
-
-
-def _store_processes(mark: str) -> list[int]:
-    """Live store processes (``python -m hsdump._store.serve``) whose environment holds ``mark``:
-    this test's, not those of another run on the same machine."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"hsdump._store.serve" in argv and f"{_MARK}={mark}".encode() in environ:
-            found.append(int(entry.name))
-    return found
-
-
-_MARK = "TEST_STORE_PROCESS_MARK"
-
-
-@pytest.fixture
-def store_processes(tmp_path, monkeypatch):
-    """Store processes on for this test; returns a function listing this test's live ones."""
-    monkeypatch.setenv("HSDUMP_STORE_PROCESS", "1")
-    monkeypatch.setenv(_MARK, str(tmp_path))
-    return lambda: _store_processes(str(tmp_path))
-
-
-def test_workers_with_store_processes_store_what_one_process_stores(
-    fake, tmp_path, monkeypatch, store_processes
-) -> None:
-    samples = _samples(16)
-    summary = _run(fake, tmp_path / "par.zarr", samples)
-    monkeypatch.setenv("HSDUMP_STORE_PROCESS", "0")
-    one = _run(fake, tmp_path / "one.zarr", samples, workers=1, concurrency=1)
-    assert summary.ok and one.ok and summary.samples_done == 16
-    par, ref = _contents(tmp_path / "par.zarr"), _contents(tmp_path / "one.zarr")
-    assert sorted(par) == sorted(ref) == sorted(s.id for s in samples)
-    for sid, (aux, final, ids) in ref.items():
-        assert torch.equal(par[sid][0], aux) and torch.equal(par[sid][1], final)
-        assert par[sid][2] == ids
-    assert summary.bytes_stored > 0 and summary.cpu_s > 0
-    assert _dumps_left(fake) == [] and store_processes() == []
-
-
-def test_a_store_process_that_dies_costs_its_worker_a_restart_and_nothing_more(
-    fake, tmp_path, store_processes
-) -> None:
-    samples, killed = _samples(40), []
-
-    def kill_one(summary) -> None:
-        if not killed and summary.samples_done >= 8 and (found := store_processes()):
-            os.kill(found[0], signal.SIGKILL)
-            killed.append(found[0])
-
-    fake.engine.latency = 0.01
-    summary = _run(fake, tmp_path / "s.zarr", samples, progress=kill_one)
-    assert killed and summary.ok
-    assert sorted(_contents(tmp_path / "s.zarr")) == sorted(s.id for s in samples)
-    assert verify_store(tmp_path / "s.zarr").clean
-    assert multiprocessing.active_children() == [] and store_processes() == []
 
 
 def test_requests_in_flight_stay_bounded_over_all_workers(fake, tmp_path) -> None:
@@ -180,8 +132,6 @@ def test_a_worker_that_cannot_open_stops_the_run_with_its_reason(tmp_path) -> No
 def test_failures_in_workers_are_recorded_with_their_dataset_line(fake, tmp_path) -> None:
     samples = _samples(6)
     bad = samples[3].input_ids
-    from hsdump.testing import Fault
-
     fake.engine.fault_for = lambda rid, ids: Fault("error_marker") if ids == bad else None
     failures = tmp_path / "f.jsonl"
     summary = _run(
@@ -198,8 +148,6 @@ def test_a_sample_a_workers_store_refuses_is_recorded_and_the_rest_is_stored(
 ) -> None:
     samples = _samples(6)
     bad = samples[2].input_ids
-    from hsdump.testing import Fault
-
     fake.engine.fault_for = lambda rid, ids: Fault("nan") if ids == bad else None
     summary = _run(fake, tmp_path / "s.zarr", samples)
     assert [(f.sample_id, f.error) for f in summary.failures] == [("s2", "NonFiniteValues")]
@@ -282,14 +230,8 @@ def _group_gone(pgid: int) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("sig", "codes", "store_process"),
-    [(signal.SIGTERM, (130, 143), "0"), (signal.SIGINT, (130,), "0"), (signal.SIGINT, (130,), "1")],
-)
-def test_a_signal_stops_every_worker_and_leaves_nothing_behind(
-    fake, tmp_path, monkeypatch, sig, codes, store_process
-):
-    monkeypatch.setenv("HSDUMP_STORE_PROCESS", store_process)
+@pytest.mark.parametrize(("sig", "codes"), [(signal.SIGTERM, (130, 143)), (signal.SIGINT, (130,))])
+def test_a_signal_stops_every_worker_and_leaves_nothing_behind(fake, tmp_path, sig, codes):
     fake.engine.latency = 0.05
     proc = _cli(fake, tmp_path, 200)
     _wait_for_commits(proc, tmp_path / "s.zarr", 1)
@@ -307,11 +249,7 @@ def test_a_signal_stops_every_worker_and_leaves_nothing_behind(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("store_process", ["0", "1"])
-def test_a_sigkill_of_the_whole_run_then_a_rerun_resumes_exactly(
-    fake, tmp_path, monkeypatch, store_process
-) -> None:
-    monkeypatch.setenv("HSDUMP_STORE_PROCESS", store_process)
+def test_a_sigkill_of_the_whole_run_then_a_rerun_resumes_exactly(fake, tmp_path) -> None:
     fake.engine.latency = 0.02
     before = _semaphores()
     proc = _cli(fake, tmp_path, 120)
@@ -342,7 +280,7 @@ def test_samples_spread_over_several_servers_land_once_in_one_store(tmp_path) ->
             server.engine.latency = 0.01
         summary = run_parallel_extraction(
             samples, servers=[(s.url, s.dump_dir) for s in servers], store=tmp_path / "many.zarr",
-            workers=1, concurrency=1,
+            workers=1, options=RunOptions(concurrency=1),
         )  # fmt: skip
         served = [sum(r.rid.startswith("hsdump-") for r in s.received) for s in servers]
         one = _run(servers[0], tmp_path / "one.zarr", samples, workers=1, concurrency=1)
@@ -367,8 +305,6 @@ def test_a_server_whose_workers_cannot_open_is_left_out(fake, tmp_path) -> None:
 def test_extract_spreads_a_dataset_over_the_servers_in_a_servers_file(tmp_path) -> None:
     from typer.testing import CliRunner
 
-    from hsdump._cli import app
-
     dataset = tmp_path / "d.jsonl"
     rows = [{"id": s.id, "input_ids": list(s.input_ids)} for s in _samples(10)]
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -378,7 +314,9 @@ def test_extract_spreads_a_dataset_over_the_servers_in_a_servers_file(tmp_path) 
         listing = [{"url": s.url, "dump_dir": str(s.dump_dir)} for s in servers]
         (tmp_path / "servers.json").write_text(json.dumps(listing))
         args = ["extract", str(dataset), "--out", str(tmp_path / "s.zarr"), "--servers"]
-        result = CliRunner().invoke(app, [*args, str(tmp_path / "servers.json"), "--workers", "1"])
+        result = CliRunner().invoke(
+            cli_app, [*args, str(tmp_path / "servers.json"), "--workers", "1"]
+        )
     assert result.exit_code == 0, result.output
     assert sorted(_contents(tmp_path / "s.zarr")) == sorted(r["id"] for r in rows)
     assert "2 worker process(es)" in result.output
@@ -387,10 +325,8 @@ def test_extract_spreads_a_dataset_over_the_servers_in_a_servers_file(tmp_path) 
 def test_a_malformed_servers_file_is_a_one_line_error(tmp_path) -> None:
     from typer.testing import CliRunner
 
-    from hsdump._cli import app
-
     (tmp_path / "servers.json").write_text(json.dumps([{"dump_dir": "/x"}]))
     (tmp_path / "d.jsonl").write_text(json.dumps({"id": "a", "input_ids": [1]}) + "\n")
     args = ["extract", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "s.zarr")]
-    result = CliRunner().invoke(app, [*args, "--servers", str(tmp_path / "servers.json")])
+    result = CliRunner().invoke(cli_app, [*args, "--servers", str(tmp_path / "servers.json")])
     assert result.exit_code == 2 and "server 1: expected" in result.output
