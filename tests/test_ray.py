@@ -11,7 +11,6 @@ import contextlib
 import json
 import logging
 import signal
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -22,18 +21,20 @@ import anyio
 import pytest
 import torch
 from _stores import stored_bits
+from typer.testing import CliRunner
 
 from hsdump import (
     ConfigError,
     HiddenStateClient,
+    RunOptions,
     Sample,
     WorkerError,
+    open_store,
     run_extraction,
     run_ray_extraction,
+    verify_store,
 )
-from hsdump._run.ray_cluster import connected, writer_gone
-from hsdump._store.store import open_store, verify_store
-from hsdump.testing import FakeServer
+from hsdump.testing import FakeServer, cli_app
 
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
@@ -62,12 +63,11 @@ def cluster() -> Iterator[Any]:
     nodes = cluster_utils.Cluster(initialize_head=True, head_node_args=head)
     for i in (1, 2):
         nodes.add_node(**NODE, resources={f"hsdump-node:n{i}": 1})
-    handler = signal.getsignal(signal.SIGTERM)
     try:
-        with connected(ray, nodes.address):  # as run_ray_extraction joins a cluster
-            assert signal.getsignal(signal.SIGTERM) is handler  # a graceful stop stays in charge
-            yield nodes
+        ray.init(address=nodes.address)  # the runs find Ray initialised and use this cluster
+        yield nodes
     finally:
+        ray.shutdown()
         nodes.shutdown()
 
 
@@ -93,10 +93,23 @@ def _listing(servers: list[FakeServer], nodes: list[str | None]) -> list[tuple]:
     return [(s.url, s.dump_dir, node) for s, node in zip(servers, nodes, strict=True)]
 
 
-def _run(servers: list[FakeServer], store: Path, samples: list[Sample], **options: Any) -> Any:
-    nodes = options.pop("nodes", ["n0", "n1", "n2"])
-    options = {"concurrency": 2, "batch_tokens": BATCH_TOKENS, **options}
-    return run_ray_extraction(samples, servers=_listing(servers, nodes), store=store, **options)
+def _run(
+    servers: list[FakeServer],
+    store: Path,
+    samples: list[Sample],
+    *,
+    nodes: list[str | None] | None = None,
+    batch_tokens: int = BATCH_TOKENS,
+    address: str | None = None,
+    store_options: dict[str, Any] | None = None,
+    **options: Any,
+) -> Any:
+    """``run_ray_extraction`` over ``servers`` on ``nodes``; ``options`` are `RunOptions`."""
+    return run_ray_extraction(
+        samples, servers=_listing(servers, nodes or ["n0", "n1", "n2"]), store=store,
+        address=address, batch_tokens=batch_tokens, store_options=store_options,
+        options=RunOptions(**{"concurrency": 2, **options}),
+    )  # fmt: skip
 
 
 async def _seed(server: FakeServer, store: Path, samples: list[Sample]) -> None:
@@ -122,7 +135,7 @@ def _node_ids(nodes: Any) -> dict[str, str]:
 
 
 def test_three_nodes_store_what_one_server_stores(cluster, servers, reference, tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="hsdump._run.ray_driver"):
+    with caplog.at_level(logging.INFO, logger="hsdump"):
         summary = _run(servers, tmp_path / "s.zarr", SAMPLES)
     assert summary.ok and summary.samples_done == len(SAMPLES) and summary.workers == 3
     assert summary.tokens_done == sum(len(s.input_ids) for s in SAMPLES)
@@ -222,10 +235,6 @@ def test_without_ray_the_error_says_what_to_install(monkeypatch, servers, tmp_pa
 
 
 def test_extract_ray_runs_a_servers_file_with_nodes(cluster, servers, tmp_path) -> None:
-    from typer.testing import CliRunner
-
-    from hsdump._cli import app
-
     rows = [{"id": s.id, "input_ids": list(s.input_ids)} for s in SAMPLES[:30]]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     listing = [
@@ -234,45 +243,44 @@ def test_extract_ray_runs_a_servers_file_with_nodes(cluster, servers, tmp_path) 
     (tmp_path / "servers.json").write_text(json.dumps(listing))
     args = ["extract", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "s.zarr"), "--servers"]
     args += [str(tmp_path / "servers.json"), "--ray", "--ray-address", cluster.address]
-    result = CliRunner().invoke(app, args)
+    result = CliRunner().invoke(cli_app, args)
     assert result.exit_code == 0, result.output
     assert sorted(stored_bits(tmp_path / "s.zarr")) == sorted(r["id"] for r in rows)
     assert "3 worker process(es)" in result.output
 
 
 def test_extract_ray_without_ray_installed_is_a_one_line_error(monkeypatch, tmp_path) -> None:
-    from typer.testing import CliRunner
-
-    from hsdump._cli import app
-
     monkeypatch.setitem(sys.modules, "ray", None)
     (tmp_path / "d.jsonl").write_text(json.dumps({"id": "a", "input_ids": [1]}) + "\n")
     listing = [{"url": "http://127.0.0.1:9", "dump_dir": "/x", "node": "n0"}]
     (tmp_path / "servers.json").write_text(json.dumps(listing))
     args = ["extract", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "s.zarr"), "--servers"]
-    result = CliRunner().invoke(app, [*args, str(tmp_path / "servers.json"), "--ray"])
+    result = CliRunner().invoke(cli_app, [*args, str(tmp_path / "servers.json"), "--ray"])
     assert result.exit_code == 2 and "pip install 'hsdump[ray]'" in result.output
     assert "Traceback" not in result.output
 
 
-def test_a_dead_writers_part_is_known_free_only_once_its_process_is_gone(tmp_path) -> None:
-    store = tmp_path / "s.zarr"
-    code = (
-        "import sys; from hsdump import open_store; "
-        f"s = open_store({str(store)!r}, 'a', writer_id='ray-s0-a0'); print('open', flush=True); "
-        "sys.stdin.read()"
-    )
-    with subprocess.Popen(
-        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    ) as holder:
-        try:
-            assert holder.stdout is not None and holder.stdout.readline() == "open\n"
-            assert not writer_gone(str(store), "ray-s0-a0", timeout=0.2)
-            assert writer_gone(str(store), "ray-s0-a1", timeout=0.2)  # a part nobody opened
-            holder.kill()
-            assert writer_gone(str(store), "ray-s0-a0", timeout=30)
-        finally:
-            holder.kill()
+def test_a_run_that_joins_the_cluster_keeps_the_callers_sigterm_handler_and_leaves(
+    cluster, servers, tmp_path
+) -> None:
+    """A graceful stop stays in charge: ray.init's own SIGTERM handler would exit at once."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise AssertionError("no SIGTERM is sent here")
+
+    seen: list[Any] = []
+    ray.shutdown()  # so that the run joins the cluster at its address itself
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        summary = _run(
+            servers, tmp_path / "s.zarr", SAMPLES[:30], address=cluster.address,
+            progress=lambda _: seen.append(signal.getsignal(signal.SIGTERM)),
+        )  # fmt: skip
+        assert summary.ok and summary.samples_done == 30 and not ray.is_initialized()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        ray.init(address=cluster.address)
+    assert seen and all(h is handler for h in seen)
 
 
 def test_an_interrupted_run_keeps_what_it_committed_and_leaves_no_actor(

@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,14 +27,17 @@ from hsdump import (
     ConfigError,
     PartLockedError,
     PartLockLostError,
+    RunOptions,
+    Sample,
     StoreCorruptedError,
     StoreError,
     StoreIOError,
     StoreNotFoundError,
     open_store,
+    run_parallel_extraction,
     verify_store,
 )
-from hsdump._cli import app
+from hsdump.testing import FakeServer, cli_app
 
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("s3fs")
@@ -237,15 +241,35 @@ def test_a_second_writer_of_one_part_is_refused_naming_the_lease_and_its_holder(
     open_test_store(url, writer_id="w0").close()  # released on close
 
 
-def test_a_lease_is_created_only_where_none_exists(url: str) -> None:
-    """The server refuses the create (If-None-Match: *) of a second lease object."""
-    from hsdump._store.lease import Lease
+def _race(url: str, writer_id: str) -> list[Any]:
+    """Two writers of part ``writer_id`` opening at once: the store or the error of each."""
+    start, outcomes = threading.Barrier(2), []
 
-    with open_test_store(url, writer_id="w0") as store:
-        held: Any = store._part_lock
-        rival = Lease(store._root.store, held._key, held.url, held._holder, "")
-        assert not rival._try(url, IfNoneMatch="*")
-        assert rival._try(url, IfMatch=held._etag)  # the takeover of a lease that is as read
+    def open_one() -> None:
+        start.wait()
+        try:
+            outcomes.append(open_test_store(url, writer_id=writer_id))
+        except PartLockedError as exc:
+            outcomes.append(exc)
+
+    rivals = [threading.Thread(target=open_one) for _ in range(2)]
+    for rival in rivals:
+        rival.start()
+    for rival in rivals:
+        rival.join()
+    return outcomes
+
+
+def test_of_two_writers_opening_one_free_part_at_once_exactly_one_takes_it(url: str) -> None:
+    """Both may find no lease: only one create of it succeeds (If-None-Match: *), and the other
+    writer then finds the winner's lease and is refused."""
+    for attempt in range(5):
+        outcomes = _race(url, f"w{attempt}")
+        opened = [o for o in outcomes if not isinstance(o, Exception)]
+        for store in opened:
+            store.close()
+        assert len(opened) == 1, outcomes
+        assert [type(o) for o in outcomes if o not in opened] == [PartLockedError]
 
 
 def _foreign_lease(ttl_s: float) -> bytes:
@@ -303,11 +327,11 @@ def test_verify_store_on_s3_passes_then_names_the_samples_of_a_damaged_object(
     with open_test_store(url, writer_id="w0") as store:
         for i in range(4):
             store.write(make_sample(i))
-    clean = runner.invoke(app, ["verify-store", url])
+    clean = runner.invoke(cli_app, ["verify-store", url])
     assert clean.exit_code == 0, clean.output
     assert "checked 4 samples: 4 intact, 0 corrupted" in clean.output
     _damage_a_shard(s3, bucket)
-    damaged = runner.invoke(app, ["verify-store", url])
+    damaged = runner.invoke(cli_app, ["verify-store", url])
     assert damaged.exit_code == 1, damaged.output
     assert "corrupted s0 (part-w0)" in damaged.output
     report = verify_store(url)
@@ -325,7 +349,7 @@ def test_a_damaged_part_state_on_s3_is_named(url: str, s3: Any, bucket: str) -> 
 def test_stats_reads_an_s3_store_from_the_cli(url: str) -> None:
     with open_test_store(url, writer_id="w0") as store:
         store.write(make_sample(3))
-    result = runner.invoke(app, ["stats", url])
+    result = runner.invoke(cli_app, ["stats", url])
     assert result.exit_code == 0, result.output
     assert f"1 samples, {make_sample(3).input_ids.numel():,} tokens in {url}" in result.output
 
@@ -372,13 +396,6 @@ def test_credentials_never_appear_in_descriptions_messages_logs_or_the_lease(
             assert secret not in text
 
 
-def test_dependency_messages_are_masked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hsdump._store.objstore import redact
-
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "env-secret-value-1234")
-    assert redact("signature of env-secret-value-1234 failed") == "signature of *** failed"
-
-
 # -- bad URLs, missing buckets, unreachable endpoints --------------------------------------------
 
 
@@ -418,7 +435,7 @@ def test_a_missing_store_in_a_bucket_is_a_store_error_for_readers(url: str) -> N
 
 
 def test_the_cli_reports_a_missing_bucket_without_a_traceback(s3: Any) -> None:
-    result = runner.invoke(app, ["verify-store", "s3://hsdump-no-such-bucket/x.zarr"])
+    result = runner.invoke(cli_app, ["verify-store", "s3://hsdump-no-such-bucket/x.zarr"])
     assert result.exit_code == 2, result.output
     assert "does not exist" in result.output and "Traceback" not in result.output
 
@@ -443,14 +460,12 @@ def test_storage_options_botocore_does_not_take_are_a_config_error(s3: Any) -> N
 
 
 def test_workers_extract_into_an_s3_store_and_a_rerun_skips_what_is_stored(url, tmp_path) -> None:
-    from hsdump import Sample, run_parallel_extraction
-    from hsdump.testing import FakeServer
-
     samples = [Sample(id=f"s{i}", input_ids=list(range(1, 6 + i))) for i in range(8)]
     with FakeServer(tmp_path / "dumps", hidden_size=16) as server:
-        options = {"url": server.url, "dump_dir": server.dump_dir, "store": url, "concurrency": 2}
-        first = run_parallel_extraction(samples[:5], workers=2, **options)
-        again = run_parallel_extraction(samples, workers=2, **options)
+        where = {"url": server.url, "dump_dir": server.dump_dir, "store": url}
+        options = RunOptions(concurrency=2)
+        first = run_parallel_extraction(samples[:5], workers=2, options=options, **where)
+        again = run_parallel_extraction(samples, workers=2, options=options, **where)
     assert (first.samples_done, again.skipped, again.samples_done) == (5, 5, 3)
     with open_store(url, "r") as opened:
         assert sorted(opened) == sorted(s.id for s in samples) and not opened.duplicates
