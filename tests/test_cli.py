@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import hsdump
-from hsdump import DumpMeta, ProducerInfo, open_store
+from hsdump import DumpMeta, PollingWatcher, ProducerInfo, __version__, open_store
 from hsdump.testing import FakeServer, Fault, build_default_model, cli_app, small_page_tmpfs
 
 TINY = {
@@ -221,7 +220,7 @@ def test_serve_reference_rejects_malformed_layer_ids(tmp_path):
 
 def test_version_and_short_help():
     version = runner.invoke(cli_app, ["--version"])
-    assert version.exit_code == 0 and version.output.strip() == f"hsdump {hsdump.__version__}"
+    assert version.exit_code == 0 and version.output.strip() == f"hsdump {__version__}"
     for command in ([], ["extract"]):
         short, long = (runner.invoke(cli_app, [*command, flag]) for flag in ("-h", "--help"))
         assert short.exit_code == 0 and "Usage: hsdump" in short.output
@@ -385,7 +384,7 @@ def test_extract_waits_for_dumps_with_the_watcher_named_by_the_flag(
         raise AssertionError("the watcher of HSDUMP_WATCHER waited, not the one of --watcher")
 
     monkeypatch.setenv("HSDUMP_WATCHER", "poll")
-    monkeypatch.setattr(hsdump.PollingWatcher, "wait", unused)
+    monkeypatch.setattr(PollingWatcher, "wait", unused)
     dataset = _dataset(tmp_path / "d.jsonl", *_good(2))
     result = _extract(model_dir, tmp_path, dataset, "--watcher", "watchfiles", "--workers", "1")
     assert result.exit_code == 0, result.output
