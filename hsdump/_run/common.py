@@ -182,6 +182,8 @@ class ExtractionSummary:
         skipped: Samples already in the store.
         recovered: Ids of samples committed before an unclean stop whose stored bytes failed
             their checksums: extracted again in this run (`HiddenStateStore.recovered`).
+        samples_written: Samples handed to the store in this run (committed, or waiting for its
+            next commit): what a worker is done with.
         samples_done: Samples committed in this run: counted once their commit is durable.
         tokens_done: Their tokens.
         bytes_raw: Hidden-state bytes committed, before compression.
@@ -206,6 +208,7 @@ class ExtractionSummary:
     tokens_total: int = 0
     skipped: int = 0
     recovered: list[str] = field(default_factory=list)
+    samples_written: int = 0
     samples_done: int = 0
     tokens_done: int = 0
     bytes_raw: int = 0

@@ -68,8 +68,9 @@ class _Worker:
 
     @property
     def finished(self) -> int:
+        """Samples the worker is done with: written (committed or not yet), skipped or failed."""
         c = self.counters
-        return int(c.get("samples_done", 0) + c.get("skipped", 0) + c.get("failed", 0))
+        return int(c.get("written", 0) + c.get("skipped", 0) + c.get("failed", 0))
 
     @property
     def outstanding(self) -> int:

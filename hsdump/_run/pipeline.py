@@ -190,6 +190,7 @@ class _Run:
             self.fail(sample.id, exc, attempt)
             return False
         self._add_stage("store_write", time.perf_counter() - started)
+        self.summary.samples_written += 1
         if attempt > 1 and not states.values_checked:
             self._retried[sample.id] = attempt
         self.count_stored()
@@ -204,6 +205,7 @@ class _Run:
         """
         refused = self.store.take_refused()
         for r in refused:
+            self.summary.samples_written -= 1  # written, then refused: a failure, not both
             self.fail(r.sample_id, r.error, self._retried.pop(r.sample_id, 1))
         return len(refused)
 

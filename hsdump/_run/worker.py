@@ -256,8 +256,9 @@ class _Reporter:
         self._failures_sent = len(s.failures)
         counters = {name: getattr(s, name) for name in COUNTERS}
         counters.update(
-            skipped=s.skipped, retries=s.retries, failed=len(s.failures), stages=dict(s.stages),
-            cpu_s=s.cpu_s, peak_rss_bytes=s.peak_rss_bytes,
+            written=s.samples_written, skipped=s.skipped, retries=s.retries,
+            failed=len(s.failures), stages=dict(s.stages), cpu_s=s.cpu_s,
+            peak_rss_bytes=s.peak_rss_bytes,
         )  # fmt: skip
         with contextlib.suppress(OSError):
             self._conn.send((kind, counters, new))

@@ -114,6 +114,13 @@ class DurableLocalStore(LocalStore):
     the same call fails) is never left running behind it, still making its temporary file.
     """
 
+    async def _open(self, **kwargs: Any) -> None:
+        if not self.read_only:
+            # The store's own directory, and its name in its parent: the first commit needs both.
+            make_dirs(self.root)
+            sync_dir(self.root.parent)
+        await super()._open(**kwargs)
+
     async def _set(self, key: str, value: Any, exclusive: bool = False) -> None:
         if not self._is_open:
             await self._open()
