@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from hsdump._settings import settings
+from hsdump._settings import setting
 
 __all__ = ["EXTRACTION_SWITCH_INTERVAL_S", "cores"]
 
@@ -24,7 +24,7 @@ def cores(configured: int | None = None) -> int:
     """
     if configured is not None:
         return configured
-    configured = settings().cores
+    configured = setting("cores")
     if configured is not None:
         return configured
     try:

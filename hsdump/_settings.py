@@ -1,10 +1,12 @@
-"""hsdump's settings: ``HSDUMP_*`` environment variables, read each time `settings` runs.
+"""hsdump's settings: the ``HSDUMP_*`` fallbacks of the client's and the store's arguments.
 
-Nothing is read at import, so a test (or a parent process sizing its workers) changes a variable
-and the next call sees it. An empty value counts as unset. The server plugin's variables
-(``HSDUMP_LAYER_IDS``, ``HSDUMP_PINNED_MB``...) share the prefix and are ignored here.
-``hsdump._protocol.default_dump_dir`` keeps its own read of ``HSDUMP_DUMP_DIR``: the plugin imports
-that module in the server's environment, which has no pydantic-settings.
+`setting` reads one variable each time it runs, and only that one: a malformed variable stops
+only what falls back to it, never a call whose argument gives the value. Nothing is read at
+import, so a test changes a variable and the next call sees it. An empty value counts as unset.
+The server plugin's variables (``HSDUMP_LAYER_IDS``, ``HSDUMP_PINNED_MB``...) share the prefix and
+are not read here. ``hsdump._protocol.default_dump_dir`` keeps its own read of
+``HSDUMP_DUMP_DIR``: the plugin imports that module in the server's environment, which has none
+of the client's dependencies.
 """
 
 from __future__ import annotations
@@ -12,20 +14,28 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, NonNegativeFloat, PositiveFloat, PositiveInt, ValidationError
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    TypeAdapter,
+    ValidationError,
+)
 
 from hsdump._exceptions import ConfigError
 from hsdump._protocol import DEFAULT_DUMP_DIR
 
-__all__ = ["ENV_PREFIX", "Settings", "settings"]
+__all__ = ["ENV_PREFIX", "Settings", "setting"]
 
 ENV_PREFIX = "HSDUMP_"
 
 
-class Settings(BaseSettings):
+class Settings(BaseModel):
     """The client's and the store's settings; each field is ``HSDUMP_<FIELD>`` in upper case.
 
     Attributes:
@@ -40,9 +50,7 @@ class Settings(BaseSettings):
         shard_writers: Store shards written at once; None: one per two cores, 2 to 8.
     """
 
-    model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, frozen=True, extra="ignore", env_ignore_empty=True
-    )
+    model_config = ConfigDict(frozen=True)
 
     dump_dir: Path = Field(default=Path(DEFAULT_DUMP_DIR), description="a directory path")
     watcher: Literal["inotify", "poll", "watchfiles"] | None = Field(
@@ -59,36 +67,30 @@ class Settings(BaseSettings):
     shard_writers: PositiveInt | None = Field(default=None, description="a whole number above 0")
 
 
-def settings() -> Settings:
-    """The settings as the environment holds them now.
+def setting(name: str) -> Any:
+    """The setting ``name`` (a field of `Settings`) as its variable holds it now, else its default.
 
     Raises:
-        ConfigError: A variable is malformed; the message names it, its value and what it takes.
+        ConfigError: The variable is malformed; the message names it, its value and what it takes.
     """
-    return _settings_for(_variables())
-
-
-def _variables() -> tuple[tuple[str, str], ...]:
-    """This process's ``HSDUMP_*`` variables now: the cache key of the settings they make."""
-    return tuple(
-        sorted(i for i in os.environ.items() if i[0][: len(ENV_PREFIX)].upper() == ENV_PREFIX)
-    )
-
-
-# Building the model costs ~0.5 ms (pydantic-settings parses the whole environment); reading the
-# variables ~20 us. Pools, writers and clients ask for settings often.
-@functools.lru_cache(maxsize=16)
-def _settings_for(variables: tuple[tuple[str, str], ...]) -> Settings:
+    field = Settings.model_fields[name]
+    variable = ENV_PREFIX + name.upper()
+    text = next((v for k, v in os.environ.items() if k.upper() == variable and v), None)
+    if text is None:
+        return field.default
     try:
-        return Settings()
+        return _adapter(name).validate_python(text)
     except ValidationError as exc:
-        raise _config_error(exc) from exc
+        raise ConfigError(
+            f"{variable} is {text!r}, expected {field.description}: set a valid value, or unset "
+            "it for the default"
+        ) from exc
 
 
-def _config_error(exc: ValidationError) -> ConfigError:
-    problems = []
-    for error in exc.errors():
-        name = str(error["loc"][0])
-        wants = Settings.model_fields[name].description
-        problems.append(f"{ENV_PREFIX}{name.upper()} is {error['input']!r}, expected {wants}")
-    return ConfigError(f"{'; '.join(problems)}: set a valid value, or unset it for the default")
+@functools.cache
+def _adapter(name: str) -> TypeAdapter[Any]:
+    field = Settings.model_fields[name]
+    annotated: Any = field.annotation
+    if field.metadata:
+        annotated = Annotated[(annotated, *field.metadata)]  # the field's constraints
+    return TypeAdapter(annotated)

@@ -19,16 +19,20 @@ from hsdump import ConfigError, HiddenStateClient, StoreOptions, open_store
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
 URL = "http://127.0.0.1:9"  # a client is only made here, never opened
 
-# (variable, malformed value, what the message says it takes)
-MALFORMED = [
-    ("HSDUMP_WATCHER", "fanotify", "one of inotify, poll, watchfiles"),
-    ("HSDUMP_DUMP_BUDGET_BYTES", "2GB", "a whole number of bytes above 0"),
-    ("HSDUMP_DUMP_BUDGET_BYTES", "0", "a whole number of bytes above 0"),
+# (variable, malformed value, what the message says it takes): read when a store opens
+STORE_MALFORMED = [
     ("HSDUMP_CORES", "-1", "a whole number of cores above 0"),
     ("HSDUMP_LEASE_TTL_S", "nan", "a number of seconds above 0"),
     ("HSDUMP_COMMIT_INTERVAL_S", "-1", "a number of seconds, 0 or more"),
     ("HSDUMP_SHARD_WRITERS", "eight", "a whole number above 0"),
 ]
+# read when a client opens
+CLIENT_MALFORMED = [
+    ("HSDUMP_WATCHER", "fanotify", "one of inotify, poll, watchfiles"),
+    ("HSDUMP_DUMP_BUDGET_BYTES", "2GB", "a whole number of bytes above 0"),
+    ("HSDUMP_DUMP_BUDGET_BYTES", "0", "a whole number of bytes above 0"),
+]
+MALFORMED = STORE_MALFORMED + CLIENT_MALFORMED
 VARIABLES = {"HSDUMP_DUMP_DIR"} | {name for name, _, _ in MALFORMED}
 
 
@@ -90,8 +94,8 @@ def test_the_plugins_variables_are_ignored(monkeypatch: pytest.MonkeyPatch) -> N
     assert HiddenStateClient(URL).dump_dir == Path("/dev/shm/hsdump")
 
 
-@pytest.mark.parametrize(("name", "value", "wants"), MALFORMED)
-def test_a_malformed_value_stops_a_store_and_a_client_naming_it_its_value_and_what_it_takes(
+@pytest.mark.parametrize(("name", "value", "wants"), STORE_MALFORMED)
+def test_a_malformed_store_variable_stops_open_store_naming_it_its_value_and_what_it_takes(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str, value: str, wants: str
 ) -> None:
     monkeypatch.setenv(name, value)
@@ -99,8 +103,33 @@ def test_a_malformed_value_stops_a_store_and_a_client_naming_it_its_value_and_wh
     with pytest.raises(ConfigError, match=said):
         open_store(tmp_path / "s.zarr", "a")
     assert not (tmp_path / "s.zarr").exists()
-    with pytest.raises(ConfigError, match=said):
-        HiddenStateClient(URL)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(("name", "value", "wants"), CLIENT_MALFORMED)
+async def test_a_malformed_client_variable_stops_the_client_at_open_and_no_store(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str, value: str, wants: str
+) -> None:
+    from hsdump.testing import FakeServer
+
+    monkeypatch.setenv(name, value)
+    said = re.escape(f"{name} is {value!r}, expected {wants}")
+    with FakeServer(tmp_path / "dumps", hidden_size=8) as server:
+        with pytest.raises(ConfigError, match=said):
+            async with HiddenStateClient(server.url, dump_dir=server.dump_dir):
+                pass
+    with open_store(tmp_path / "s.zarr", "a") as store:  # a client's variable is not the store's
+        assert len(store) == 0
+
+
+def test_an_argument_makes_its_malformed_variable_irrelevant(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HSDUMP_SHARD_WRITERS", "many")
+    monkeypatch.setenv("HSDUMP_COMMIT_INTERVAL_S", "soon")
+    options = StoreOptions(shard_writers=2, commit_interval_s=0)
+    with open_store(tmp_path / "s.zarr", "a", options=options) as store:
+        assert len(store) == 0
 
 
 def test_importing_reads_no_variable() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import anyio
 
-from hsdump._settings import settings
+from hsdump._settings import setting
 
 __all__ = ["ByteBudget", "default_budget_bytes"]
 
@@ -17,7 +17,7 @@ DEFAULT_FRACTION = 0.5
 
 def default_budget_bytes(root: Path) -> int:
     """``$HSDUMP_DUMP_BUDGET_BYTES``, else half of the free space of ``root``'s filesystem."""
-    configured = settings().dump_budget_bytes
+    configured: int | None = setting("dump_budget_bytes")
     if configured is not None:
         return configured
     stats = os.statvfs(root)

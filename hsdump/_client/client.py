@@ -50,7 +50,7 @@ from hsdump._protocol import (
     remove_dump,
     request_dir,
 )
-from hsdump._settings import settings
+from hsdump._settings import setting
 from hsdump._types import Sample
 
 if TYPE_CHECKING:
@@ -198,7 +198,7 @@ class HiddenStateClient:
         if max_in_flight < 1:
             raise ConfigError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self.base_url = base_url.rstrip("/")
-        self.dump_dir = Path(dump_dir) if dump_dir is not None else settings().dump_dir
+        self.dump_dir = Path(dump_dir) if dump_dir is not None else setting("dump_dir")
         self.max_in_flight = max_in_flight
         self.request_timeout = request_timeout
         self.dump_timeout = dump_timeout

@@ -26,7 +26,7 @@ import anyio.lowlevel
 
 from hsdump._exceptions import ConfigError, DumpTimeout
 from hsdump._protocol import DONE_MARKER, ERROR_MARKER, REQ_PREFIX, request_dir, validate_rid
-from hsdump._settings import settings
+from hsdump._settings import setting
 
 __all__ = [
     "DumpWatcher",
@@ -415,7 +415,7 @@ def default_watcher(root: str | os.PathLike[str], kind: str | None = None) -> Du
 
     Without either, inotify where the platform has it, else polling.
     """
-    kind = kind or settings().watcher or ("inotify" if _has_inotify() else "poll")
+    kind = kind or setting("watcher") or ("inotify" if _has_inotify() else "poll")
     if kind == "inotify":
         return InotifyWatcher(root)
     if kind == "poll":

@@ -39,7 +39,7 @@ from hsdump._exceptions import (
     StoreError,
     StoreIOError,
 )
-from hsdump._settings import settings
+from hsdump._settings import setting
 from hsdump._store import zarr_adapter
 from hsdump._store.objstore import call_s3, dependency_error, error_code
 
@@ -73,7 +73,7 @@ class LeaseHolder(BaseModel):
 
 def lease_ttl() -> float:
     """Seconds a lease lives without renewal: ``HSDUMP_LEASE_TTL_S``, else 60."""
-    return settings().lease_ttl_s
+    return float(setting("lease_ttl_s"))
 
 
 @cache

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeVar
 
 from hsdump._cores import cores
 from hsdump._exceptions import ConfigError
-from hsdump._settings import settings
+from hsdump._settings import setting
 
 __all__ = ["StoreOptions"]
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,15 +52,16 @@ class StoreOptions:
         Raises:
             ConfigError: An ``HSDUMP_*`` variable is malformed.
         """
-        env = settings()
         n = cores(self.cores)
+        writers = self.shard_writers or setting("shard_writers") or max(2, min(8, n // 2))
         return StoreOptions(
-            commit_interval_s=_first(self.commit_interval_s, env.commit_interval_s),
-            shard_writers=_first(self.shard_writers, env.shard_writers, max(2, min(8, n // 2))),
-            lease_ttl_s=_first(self.lease_ttl_s, env.lease_ttl_s),
+            commit_interval_s=_given(self.commit_interval_s, "commit_interval_s"),
+            shard_writers=writers,
+            lease_ttl_s=_given(self.lease_ttl_s, "lease_ttl_s"),
             cores=n,
         )
 
 
-def _first(*values: T | None) -> T | None:
-    return next((v for v in values if v is not None), None)
+def _given(value: float | None, name: str) -> float:
+    """``value``, else the setting ``name``: its variable is read only when it is needed."""
+    return value if value is not None else float(setting(name))
