@@ -221,14 +221,38 @@ async def end_to_end(
 class Discard:
     """A sink that drops every sample: run_extraction with it measures the client side alone.
 
-    It refuses nothing: the value check a store's placement makes is the store's share of a run.
+    It says it takes the value check (``checks_values``), as a store does, and refuses nothing:
+    the check a store's placement makes is the store's share of a run. A sample counts as
+    committed when its write returns.
     """
+
+    checks_values = True
+
+    def __init__(self) -> None:
+        self._samples = self._tokens = self._bytes = 0
 
     def __contains__(self, sample_id: object) -> bool:
         return False
 
+    def __len__(self) -> int:
+        return self._samples
+
+    @property
+    def num_tokens(self) -> int:
+        return self._tokens
+
+    @property
+    def bytes_raw(self) -> int:
+        return self._bytes
+
+    @property
+    def recovered(self) -> list[Any]:
+        return []
+
     async def awrite(self, states: HiddenStates) -> None:
-        return None
+        self._samples += 1
+        self._tokens += states.num_tokens
+        self._bytes += states.nbytes
 
     async def aflush(self) -> None:
         return None

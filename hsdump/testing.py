@@ -408,6 +408,8 @@ class MemorySink:
             `StoreError` stops a run, any other `HsdumpError` fails that sample alone.
     """
 
+    checks_values = True
+
     def __init__(self, committed: Iterable[Sample] = (), *, compression: float = 2.0) -> None:
         self.samples: dict[str, HiddenStates] = {}
         self.writes: list[str] = []

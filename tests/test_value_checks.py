@@ -223,6 +223,26 @@ async def test_a_run_hands_the_store_the_dumps_values_unchecked_unless_it_fails_
         assert sink.writes == ["s0", "s2"] and client.stats.failures == {}
 
 
+class TrustsTheClient(HandedOver):
+    """A sink that does not check values: the run must hand it checked states only."""
+
+    checks_values = False
+
+
+@pytest.mark.anyio
+async def test_a_sink_that_does_not_check_values_gets_them_checked_by_the_client(
+    server: FakeServer,
+) -> None:
+    samples = _samples(3)
+    _fault_on(server, samples[1], "nan")
+    sink = TrustsTheClient()
+    async with HiddenStateClient(server.url, dump_dir=server.dump_dir, dump_timeout=5) as client:
+        summary = await run_extraction(samples, client=client, store=sink)
+    assert [(f.sample_id, f.error) for f in summary.failures] == [("s1", "NonFiniteValues")]
+    assert sink.handed == {"s0": (True, True), "s2": (True, True)}
+    assert client.stats.failures == {"NonFiniteValues": 1}
+
+
 @pytest.mark.anyio
 async def test_extract_alone_checks_the_values_at_ingest(server: FakeServer) -> None:
     good, bad = _samples(2)

@@ -295,7 +295,16 @@ class SampleSink(Protocol):
     """Where a run commits samples (a `HiddenStateStore`; `hsdump.testing.MemorySink` in tests).
 
     Everything a runner calls is declared here.
+
+    Attributes:
+        checks_values: Whether the sink checks the values of states handed over unchecked
+            (`HiddenStates.values_checked` False: finite, no vector all zeros) and refuses those
+            that fail (`take_refused`), as a `HiddenStateStore` does in the pass that places
+            them. A run hands such a sink its client's dumps unchecked; any other sink gets
+            them checked by the client.
     """
+
+    checks_values: bool
 
     def __contains__(self, sample_id: object) -> bool:
         """Whether the sample is committed."""

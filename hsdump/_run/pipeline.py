@@ -94,7 +94,7 @@ class _Run:
         self._committed_start = (len(store), store.num_tokens, store.bytes_raw)
         stats = _client_stats(client)
         self._client_start = stats.copy() if stats is not None else None
-        self._extract = _extract_call(client, options.fail_fast)
+        self._extract = _extract_call(client, store.checks_values and not options.fail_fast)
         self._retried: dict[str, int] = {}  # attempts of samples written after a retry
 
     def plan(self, samples: Sequence[Sample]) -> list[Sample]:
@@ -334,16 +334,16 @@ def _writes_in_flight(store: SampleSink) -> int:
 
 
 def _extract_call(
-    client: Extractor, fail_fast: bool
+    client: Extractor, unchecked: bool
 ) -> Callable[[Sample], Awaitable[HiddenStates]]:
-    """How the run extracts a sample: a `HiddenStateClient` leaves each dump's value check to the
-    store's placement, which reads every byte anyway (`extract_unchecked`); the store refuses a
-    sample that fails it (`SampleSink.take_refused`). A fail-fast run keeps the client's check:
-    the store tells of a refusal only once the sample's shard is on disk, and such a run stops
-    at the sample that fails."""
+    """How the run extracts a sample: with ``unchecked``, a `HiddenStateClient` leaves each dump's
+    value check to the sink (`SampleSink.checks_values`: a store's placement, which reads every
+    byte anyway), which refuses a sample that fails it (`SampleSink.take_refused`). A fail-fast
+    run keeps the client's check: the store tells of a refusal only once the sample's shard is
+    on disk, and such a run stops at the sample that fails."""
     from hsdump._client.client import HiddenStateClient, extract_unchecked
 
-    if isinstance(client, HiddenStateClient) and not fail_fast:
+    if unchecked and isinstance(client, HiddenStateClient):
         return lambda sample: extract_unchecked(client, sample)
     return client.extract
 

@@ -190,7 +190,11 @@ class HiddenStateStore:
     Attributes:
         writer_id: This writer's part (``None`` when read-only).
         where: The path or store description, for messages.
+        checks_values: True: states written with ``values_checked`` False are checked as they
+            are placed, and a sample that fails is refused (`take_refused`), never committed.
     """
+
+    checks_values = True
 
     def __init__(
         self,
