@@ -423,10 +423,6 @@ class MemorySink:
     def __contains__(self, sample_id: object) -> bool:
         return sample_id in self._tokens
 
-    def __len__(self) -> int:
-        """Samples committed: those held before the run and those written since."""
-        return len(self._tokens)
-
     async def awrite(self, states: HiddenStates) -> None:
         """Commit ``states``, or raise what `refuse` holds for its id.
 
@@ -469,16 +465,6 @@ class MemorySink:
         """The unchecked samples whose values were refused since the last call."""
         refused, self._refused = self._refused, []
         return refused
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens of the samples written (committed when their write returns)."""
-        return sum(s.num_tokens for s in self.samples.values())
-
-    @property
-    def bytes_raw(self) -> int:
-        """Raw bytes of the samples written (committed when their write returns)."""
-        return sum(s.nbytes for s in self.samples.values())
 
     @property
     def recovered(self) -> Sequence[CorruptSample]:

@@ -307,21 +307,8 @@ class SampleSink(Protocol):
     checks_values: bool
 
     def __contains__(self, sample_id: object) -> bool:
-        """Whether the sample is committed."""
-        ...
-
-    def __len__(self) -> int:
-        """Samples committed (durable where the sink is: a run counts a sample done only then)."""
-        ...
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens of the committed samples."""
-        ...
-
-    @property
-    def bytes_raw(self) -> int:
-        """Raw hidden-state bytes of the committed samples."""
+        """Whether the sample is committed (durable where the sink is: a run counts a sample done
+        only then)."""
         ...
 
     @property

@@ -91,7 +91,9 @@ class _Run:
         self._write_slots = anyio.Semaphore(self._writes)
         self._cpu_start = time.process_time()
         self._store_start = (store.bytes_raw_written, store.bytes_stored)
-        self._committed_start = (len(store), store.num_tokens, store.bytes_raw)
+        # Written by this run, not committed yet: id -> (tokens, raw bytes). Other runs may write
+        # into the same store at once (a Ray actor's batches): each counts only its own.
+        self._uncommitted: dict[str, tuple[int, int]] = {}
         stats = _client_stats(client)
         self._client_start = stats.copy() if stats is not None else None
         self._extract = _extract_call(client, store.checks_values and not options.fail_fast)
@@ -191,6 +193,7 @@ class _Run:
             return False
         self._add_stage("store_write", time.perf_counter() - started)
         self.summary.samples_written += 1
+        self._uncommitted[sample.id] = (states.num_tokens, states.nbytes)
         if attempt > 1 and not states.values_checked:
             self._retried[sample.id] = attempt
         self.count_stored()
@@ -206,18 +209,20 @@ class _Run:
         refused = self.store.take_refused()
         for r in refused:
             self.summary.samples_written -= 1  # written, then refused: a failure, not both
+            self._uncommitted.pop(r.sample_id, None)
             self.fail(r.sample_id, r.error, self._retried.pop(r.sample_id, 1))
         return len(refused)
 
     def count_stored(self) -> None:
-        """Follow the store's own counters: it buffers samples, compresses whole shards, and a
-        sample is done only once its commit is durable."""
-        store, (samples, tokens, raw) = self.store, self._committed_start
-        self.summary.samples_done = len(store) - samples
-        self.summary.tokens_done = store.num_tokens - tokens
-        self.summary.bytes_raw = store.bytes_raw - raw
-        self.summary.store_bytes_raw = store.bytes_raw_written - self._store_start[0]
-        self.summary.bytes_stored = store.bytes_stored - self._store_start[1]
+        """Follow the store: it buffers samples and compresses whole shards, and a sample is done
+        only once its commit is durable (when the store holds it)."""
+        for sid in [sid for sid in self._uncommitted if sid in self.store]:
+            tokens, raw = self._uncommitted.pop(sid)
+            self.summary.samples_done += 1
+            self.summary.tokens_done += tokens
+            self.summary.bytes_raw += raw
+        self.summary.store_bytes_raw = self.store.bytes_raw_written - self._store_start[0]
+        self.summary.bytes_stored = self.store.bytes_stored - self._store_start[1]
 
     async def flush(self) -> None:
         with anyio.CancelScope(shield=True):
