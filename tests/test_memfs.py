@@ -14,7 +14,7 @@ import test_sglang_patch_hooks as harness
 from test_sglang_patch_source import _download
 
 import hsdump._protocol._memfs as memfs
-from hsdump._protocol._memfs import small_page_tmpfs
+from hsdump.testing import small_page_tmpfs
 
 NEVER = "always within_size advise [never] deny force"
 
