@@ -1,4 +1,5 @@
-"""Which dump roots lie on a tmpfs with 4 KB pages, and the plugin's start-up warning about them.
+"""Which dump roots lie on a tmpfs with 4 KB pages (the plugin's start-up warning about them, and
+how the mount table is read, are in tests/test_sglang_patch.py).
 
 The mount table and the kernel's shmem setting are given as text (no tmpfs can be mounted here);
 the paths are real, so that the nearest existing parent and symbolic links are resolved for real.
@@ -6,14 +7,10 @@ the paths are real, so that the nearest existing parent and symbolic links are r
 
 from __future__ import annotations
 
-import zipfile
 from pathlib import Path
 
 import pytest
-import test_sglang_patch_hooks as harness
-from test_sglang_patch_source import _download
 
-import hsdump._protocol._memfs as memfs
 from hsdump.testing import small_page_tmpfs
 
 NEVER = "always within_size advise [never] deny force"
@@ -110,74 +107,6 @@ def test_the_kernels_shmem_setting_can_force_or_deny_huge_pages(
     )
 
 
-def test_the_mount_table_and_the_shmem_setting_are_read_from_their_files(
-    shm: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    (shm.parent / "mounts").write_text(mounts((shm, "tmpfs", "rw")))
-    (shm.parent / "shmem_enabled").write_text(NEVER + "\n")
-    monkeypatch.setattr(memfs, "MOUNTS_FILE", shm.parent / "mounts")
-    monkeypatch.setattr(memfs, "SHMEM_ENABLED_FILE", shm.parent / "shmem_enabled")
-    assert small_page_tmpfs(shm / "hsdump") == str(shm)
-
-
-@pytest.mark.parametrize("missing", ["MOUNTS_FILE", "SHMEM_ENABLED_FILE"])
-def test_an_unreadable_mount_table_or_shmem_setting_gives_no_answer(
-    shm: Path, monkeypatch: pytest.MonkeyPatch, missing: str
-) -> None:
-    (shm.parent / "mounts").write_text(mounts((shm, "tmpfs", "rw")))
-    (shm.parent / "shmem_enabled").write_text(NEVER + "\n")
-    monkeypatch.setattr(memfs, "MOUNTS_FILE", shm.parent / "mounts")
-    monkeypatch.setattr(memfs, "SHMEM_ENABLED_FILE", shm.parent / "shmem_enabled")
-    monkeypatch.setattr(memfs, missing, shm.parent / "absent")
-    assert small_page_tmpfs(shm / "hsdump") is None
-
-
 def test_a_shmem_setting_without_a_chosen_word_gives_no_answer(shm: Path) -> None:
     table = mounts((shm, "tmpfs", "rw"))
     assert small_page_tmpfs(shm, mounts=table, shmem_enabled="") is None
-
-
-@pytest.fixture(scope="module")
-def hook_registry_source() -> bytes:
-    with zipfile.ZipFile(_download("0.5.17")) as wheel:
-        return wheel.read("sglang/srt/plugins/hook_registry.py")
-
-
-@pytest.mark.parametrize(
-    ("options", "parallel", "warns"),
-    [
-        ("rw,relatime", {}, True),
-        ("rw,relatime,huge=within_size", {}, False),
-        ("rw,relatime", {"attn_tp_rank": 1, "tp_rank": 1}, False),  # this rank does not write
-    ],
-    ids=["4kb", "huge", "other-rank"],
-)
-def test_the_writing_rank_warns_once_at_start_up_about_a_4kb_tmpfs(
-    tmp_path: Path,
-    hook_registry_source: bytes,
-    monkeypatch: pytest.MonkeyPatch,
-    options: str,
-    parallel: dict[str, int],
-    warns: bool,
-) -> None:
-    point = tmp_path.resolve()
-    (tmp_path / "mounts").write_text(mounts((point, "tmpfs", options)))
-    (tmp_path / "shmem_enabled").write_text(NEVER + "\n")
-    # The stand-in server reads the mount table and the shmem setting from these files.
-    prelude = (
-        "import hsdump._protocol._memfs as memfs, pathlib\n"
-        f"memfs.MOUNTS_FILE = pathlib.Path({str(tmp_path / 'mounts')!r})\n"
-        f"memfs.SHMEM_ENABLED_FILE = pathlib.Path({str(tmp_path / 'shmem_enabled')!r})\n"
-    )
-    monkeypatch.setattr(harness, "DRIVER", prelude + harness.DRIVER)
-    proc, _, dump = harness.run_server(tmp_path, hook_registry_source, {"parallel": parallel})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    warnings = [line for line in proc.stderr.splitlines() if "4 KB pages" in line]
-    if not warns:
-        assert warnings == []
-        return
-    (line,) = warnings
-    assert line.startswith("WARNING:sglang_patch.hooks:hsdump: the dump root ")
-    assert f"{dump} lies on the tmpfs {point}, which has 4 KB pages" in line
-    assert "mount -t tmpfs -o huge=within_size,size=<N>g tmpfs /mnt/hsdump" in line
-    assert f"mount -o remount,huge=within_size {point}" in line

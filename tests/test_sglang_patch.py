@@ -13,12 +13,17 @@ import subprocess
 import sys
 import threading
 import time
+import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import test_sglang_patch_hooks as harness
 import torch
+from test_memfs import NEVER, mounts
+from test_sglang_patch_source import _download
 
+import hsdump._protocol._memfs as memfs
 import sglang_patch
 from hsdump._client.loading import read_dump, to_torch
 from hsdump._exceptions import DumpFailed
@@ -541,3 +546,82 @@ def test_rows_are_written_while_their_moments_are_still_being_taken(
     gate.done.set()
     d.writer.drain()
     assert torch.allclose(_declared_moments(tmp_path, Req("hsdump-a", 4)), _moments(hidden))
+
+
+# --- the start-up warning about a dump root on a tmpfs with 4 KB pages -----------------------
+
+
+def _shm(tmp_path: Path) -> Path:
+    path = tmp_path.resolve() / "shm"
+    path.mkdir()
+    return path
+
+
+def test_the_mount_table_and_the_shmem_setting_are_read_from_their_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shm = _shm(tmp_path)
+    (shm.parent / "mounts").write_text(mounts((shm, "tmpfs", "rw")))
+    (shm.parent / "shmem_enabled").write_text(NEVER + "\n")
+    monkeypatch.setattr(memfs, "MOUNTS_FILE", shm.parent / "mounts")
+    monkeypatch.setattr(memfs, "SHMEM_ENABLED_FILE", shm.parent / "shmem_enabled")
+    assert memfs.small_page_tmpfs(shm / "hsdump") == str(shm)
+
+
+@pytest.mark.parametrize("missing", ["MOUNTS_FILE", "SHMEM_ENABLED_FILE"])
+def test_an_unreadable_mount_table_or_shmem_setting_gives_no_answer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, missing: str
+) -> None:
+    shm = _shm(tmp_path)
+    (shm.parent / "mounts").write_text(mounts((shm, "tmpfs", "rw")))
+    (shm.parent / "shmem_enabled").write_text(NEVER + "\n")
+    monkeypatch.setattr(memfs, "MOUNTS_FILE", shm.parent / "mounts")
+    monkeypatch.setattr(memfs, "SHMEM_ENABLED_FILE", shm.parent / "shmem_enabled")
+    monkeypatch.setattr(memfs, missing, shm.parent / "absent")
+    assert memfs.small_page_tmpfs(shm / "hsdump") is None
+
+
+@pytest.fixture(scope="module")
+def hook_registry_source() -> bytes:
+    with zipfile.ZipFile(_download("0.5.17")) as wheel:
+        return wheel.read("sglang/srt/plugins/hook_registry.py")
+
+
+@pytest.mark.parametrize(
+    ("options", "parallel", "warns"),
+    [
+        ("rw,relatime", {}, True),
+        ("rw,relatime,huge=within_size", {}, False),
+        ("rw,relatime", {"attn_tp_rank": 1, "tp_rank": 1}, False),  # this rank does not write
+    ],
+    ids=["4kb", "huge", "other-rank"],
+)
+def test_the_writing_rank_warns_once_at_start_up_about_a_4kb_tmpfs(
+    tmp_path: Path,
+    hook_registry_source: bytes,
+    monkeypatch: pytest.MonkeyPatch,
+    options: str,
+    parallel: dict[str, int],
+    warns: bool,
+) -> None:
+    point = tmp_path.resolve()
+    (tmp_path / "mounts").write_text(mounts((point, "tmpfs", options)))
+    (tmp_path / "shmem_enabled").write_text(NEVER + "\n")
+    # The stand-in server reads the mount table and the shmem setting from these files.
+    prelude = (
+        "import hsdump._protocol._memfs as memfs, pathlib\n"
+        f"memfs.MOUNTS_FILE = pathlib.Path({str(tmp_path / 'mounts')!r})\n"
+        f"memfs.SHMEM_ENABLED_FILE = pathlib.Path({str(tmp_path / 'shmem_enabled')!r})\n"
+    )
+    monkeypatch.setattr(harness, "DRIVER", prelude + harness.DRIVER)
+    proc, _, dump = harness.run_server(tmp_path, hook_registry_source, {"parallel": parallel})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warnings = [line for line in proc.stderr.splitlines() if "4 KB pages" in line]
+    if not warns:
+        assert warnings == []
+        return
+    (line,) = warnings
+    assert line.startswith("WARNING:sglang_patch.hooks:hsdump: the dump root ")
+    assert f"{dump} lies on the tmpfs {point}, which has 4 KB pages" in line
+    assert "mount -t tmpfs -o huge=within_size,size=<N>g tmpfs /mnt/hsdump" in line
+    assert f"mount -o remount,huge=within_size {point}" in line
