@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 import pytest
 import torch
 from _gpu import GpuServer, LayerDiffs
@@ -47,10 +46,6 @@ def wait_dump(root: Path, rid: str, timeout: float = 60) -> Path:
             raise TimeoutError(f"no dump for {rid} in {root}")
         time.sleep(0.01)
     return path
-
-
-def bf16(bits: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.ascontiguousarray(bits)).view(torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
