@@ -74,7 +74,7 @@ def extract(args: argparse.Namespace, name: str, pythonpath: str, data: Path) ->
     synced = time.perf_counter() - t0
     text = proc.stdout + proc.stderr
     (args.out / f"e2e_{name}.log").open("a").write(text[-4000:] + "\n")
-    found = re.search(r"([\d,]+) tokens/s", text)
+    found = re.search(r"done: .*?([\d,]+) tokens/s", text)
     return {
         "rc": proc.returncode,
         "summary_tok_per_s": int(found.group(1).replace(",", "")) if found else 0,
