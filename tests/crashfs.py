@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes.util
 import errno
 import json
-import ctypes.util
 import os
 import select
 import shutil
