@@ -21,7 +21,6 @@ import shutil
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_bench import consume, dataset, plain
+from gpu_bench import dataset, plain
 
 TOKENS, ROW_BYTES = 2048, 4 * 7168 * 2
 
@@ -306,7 +305,6 @@ def _store_part(
     barrier,
     results,
     moments: bool = False,
-    unchecked: bool = False,
 ) -> None:
     """One writer of the store-alone row: load its share (untimed), then write it (timed).
 
@@ -318,7 +316,6 @@ def _store_part(
 
     os.environ["HSDUMP_CORES"] = str(max(1, (os.cpu_count() or 1) // workers))
     from hsdump import open_store
-    from hsdump._cores import switch_interval
 
     if source.startswith("random:"):
         data = random_samples(int(source.split(":")[1]) // workers, index, scale=(0.6, 0.3))
@@ -333,12 +330,10 @@ def _store_part(
             aux, final = (t.contiguous().view(torch.uint16).numpy() for t in
                           (hs.aux_hidden_states, hs.final_hidden_state))  # fmt: skip
             hs.row_moments = torch.from_numpy(row_moments(aux, final, "bfloat16"))
-    for hs in states if unchecked else []:  # values left to the placement's check, as in dumps
-        hs.values_checked = False
     barrier.wait()
     t0, r0 = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
-    # The interpreter's switch interval of an extraction run (HSDUMP_SWITCH_INTERVAL_US).
-    with switch_interval(), open_store(dest, "a", writer_id=f"w{index}") as store:
+    sys.setswitchinterval(0.0005)  # the switch interval hsdump extract's workers run at
+    with open_store(dest, "a", writer_id=f"w{index}") as store:
         for hs in states:
             store.write(hs)
     r1 = resource.getrusage(resource.RUSAGE_SELF)
@@ -417,12 +412,11 @@ def store_alone(
     out: Path | None = None,
     native: bool = False,
     moments: bool = False,
-    unchecked: bool = False,
 ) -> dict[str, float]:
     """The store-alone row of ``workers`` processes: its rate (``tok_per_s``), the cores they
     kept busy, and their user and system core-seconds and minor faults per GB."""
     dest = where / "kimi-store-alone.zarr"
-    writers = _start_writers(_store_part, source, dest, workers, moments, unchecked)
+    writers = _start_writers(_store_part, source, dest, workers, moments)
     recorder = None
     if spy and out is not None:
         raw = out / f"spy-store-{workers}.txt"
@@ -559,97 +553,6 @@ def store_beside_load(args: argparse.Namespace, rows: list[dict], shm: Path) -> 
     shutil.rmtree(source, ignore_errors=True)
 
 
-async def keep_dumps(url: str, rows: list[dict], conc: int, root: str, kept: Path) -> None:
-    """Dump ``rows`` at ``conc`` in flight and move each published dump out of the root into
-    ``kept`` (a rename on the same tmpfs): the plugin counts it consumed, its pages stay as the
-    server wrote them."""
-    import httpx
-
-    sem = asyncio.Semaphore(conc)
-    async with httpx.AsyncClient(timeout=300) as client:
-
-        async def one(s: dict) -> None:
-            rid = f"hsdump-{uuid.uuid4().hex}"
-            body = {"rid": rid, "input_ids": s["input_ids"], "extra_key": uuid.uuid4().hex,
-                    "sampling_params": {"max_new_tokens": 0, "temperature": 0}}  # fmt: skip
-            async with sem:
-                (await client.post(f"{url}/generate", json=body)).raise_for_status()
-            await consume(Path(root) / f"req_{rid}", keep=kept)
-
-        await asyncio.gather(*(one(s) for s in rows))
-
-
-def _store_dumps_part(
-    kept: str, dest: str, index: int, workers: int, barrier, results, mode: str, reads: str
-) -> None:
-    """One writer of a store-from-dumps row: read its share of the kept dumps as a worker does
-    (mapped, moments spot-checked, values left to the store's placement) and store them, timed.
-
-    ``mode`` "mapped" reads every dump before the clock starts (the row times placing fresh dump
-    pages); "inline" reads each dump just before its write, in the writing thread; "ahead" reads
-    the next dump in a thread while the current one is written, as a worker's tasks overlap.
-    ``reads`` is ``HSDUMP_DUMP_READS``: the rows read from the dump files, or through mappings
-    faulted in as each dump is read.
-    """
-    import resource
-    from concurrent.futures import ThreadPoolExecutor
-
-    os.environ["HSDUMP_CORES"] = str(max(1, (os.cpu_count() or 1) // workers))
-    os.environ["HSDUMP_DUMP_READS"] = reads
-    from hsdump import HiddenStates, open_store
-    from hsdump._client.loading import read_dump, to_torch
-    from hsdump._cores import switch_interval
-
-    def states(path: Path, i: int) -> HiddenStates:
-        dump = read_dump(path, check_values=False, moments=True)
-        meta = dump.meta
-        return HiddenStates(
-            sample_id=f"d{index}-{i}", input_ids=torch.tensor(meta.input_ids),
-            aux_hidden_states=to_torch(dump.aux, meta.dtype),
-            final_hidden_state=to_torch(dump.final, meta.dtype),
-            layer_ids=list(meta.layer_ids), meta=meta, values_checked=False,
-            row_moments=torch.from_numpy(dump.moments),
-        )  # fmt: skip
-
-    paths = sorted(Path(kept).iterdir())[index::workers]
-    read = [states(p, i) for i, p in enumerate(paths)] if mode == "mapped" else []
-    barrier.wait()
-    t0, r0 = time.monotonic(), resource.getrusage(resource.RUSAGE_SELF)
-    tokens = 0
-    with switch_interval(), open_store(dest, "a", writer_id=f"w{index}") as store:
-        if mode == "mapped":
-            for hs in read:
-                store.write(hs)
-                tokens += hs.num_tokens
-            read.clear()
-        elif mode == "inline":
-            for i, path in enumerate(paths):
-                hs = states(path, i)
-                store.write(hs)
-                tokens += hs.num_tokens
-                del hs
-        else:
-            with ThreadPoolExecutor(1) as reader:
-                nxt = reader.submit(states, paths[0], 0) if paths else None
-                for i in range(len(paths)):
-                    hs = nxt.result()
-                    nxt = reader.submit(states, paths[i + 1], i + 1) if i + 1 < len(paths) else None
-                    store.write(hs)
-                    tokens += hs.num_tokens
-                    del hs
-    r1 = resource.getrusage(resource.RUSAGE_SELF)
-    results.put((t0, time.monotonic(), tokens, r1.ru_utime - r0.ru_utime,
-                 r1.ru_stime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt))  # fmt: skip
-
-
-def _store_dumps(kept: Path, where: Path, workers: int, mode: str, reads: str) -> dict[str, float]:
-    """A store-from-dumps row of ``workers`` processes (`_store_dumps_part`), as `store_alone`
-    reports its row."""
-    dest = where / "kimi-store-dumps.zarr"
-    writers = _start_writers(_store_dumps_part, str(kept), dest, workers, mode, reads)
-    return _finish_writers(writers, dest)
-
-
 def _row_figures(parts: list[tuple]) -> dict[str, float]:
     """A row's rate and cost from its processes' (start, end, tokens, user s, sys s, faults)."""
     start, end = min(g[0] for g in parts), max(g[1] for g in parts)
@@ -661,47 +564,6 @@ def _row_figures(parts: list[tuple]) -> dict[str, float]:
         "sys_core_s_per_gb": round(sum(g[4] for g in parts) / gb, 2),
         "minor_faults_per_gb": round(sum(g[5] for g in parts) / gb),
     }
-
-
-def store_from_dumps(args: argparse.Namespace, rows: list[dict], shm: Path) -> None:
-    """In memory, side by side, `hsdump extract` at 8 in flight with each ``HSDUMP_DUMP_READS``,
-    then the store alone fed six ways: loaded states with their moments (values checked, and left
-    to the placement's check as in dumps), and the server's dump files read as a worker reads them
-    (all before the clock, or the next while the current is written), their rows read from the
-    files or through the mappings. Their gaps are what the value check, placing from dump pages
-    and reading dumps cost; the extraction's gap to the last is the rest of a worker's work (the
-    watch, the checks of the metadata, the event loop)."""
-    for reads in ("mapping", "file"):  # the last row's store feeds the store-alone rows
-        env = {"HSDUMP_DUMP_READS": reads}
-        got = extract(args, rows, shm, 8, env)
-        log(args.out, row="extract", on="shm", conc=8, workers=args.workers, env=env, **got)
-        if reads == "mapping":
-            shutil.rmtree(got["store"], ignore_errors=True)
-    source = got["store"]
-    kept = Path(args.dump_dir).parent / "kimi-kept"
-    shutil.rmtree(kept, ignore_errors=True)
-    kept.mkdir(parents=True)
-    asyncio.run(keep_dumps(args.url, rows, 8, args.dump_dir, kept))
-    for _ in range(2):  # twice: the spread between rows of one run
-        loaded = store_alone(source, shm, args.workers, moments=True)
-        unchecked = store_alone(source, shm, args.workers, moments=True, unchecked=True)
-        rows_of = {
-            f"{m}, reads {r}": _store_dumps(kept, shm, args.workers, m, r)
-            for m in ("mapped", "ahead")
-            for r in ("file", "mapping")
-        }
-        for name, row in [("loaded", loaded), ("loaded unchecked", unchecked)] + [
-            (f"dumps {m}", r) for m, r in rows_of.items()
-        ]:
-            log(
-                args.out, row="store from dumps", feed=name, workers=args.workers,
-                tok_per_s=round(row["tok_per_s"]),
-                of_loaded=round(row["tok_per_s"] / loaded["tok_per_s"], 3),
-                extract_of_row=round(got["tok_per_s"] / row["tok_per_s"], 3),
-                **{k: v for k, v in row.items() if k != "tok_per_s"},
-            )  # fmt: skip
-    shutil.rmtree(kept, ignore_errors=True)
-    shutil.rmtree(source, ignore_errors=True)
 
 
 def sweep(args: argparse.Namespace, rows: list[dict], shm: Path, concs, results) -> None:
@@ -756,11 +618,6 @@ def main() -> None:
     p.add_argument("--store-beside-load", action="store_true",
                    help="after the dump-only rows: store alone in memory with the server idle, "
                    "serving and dumping")  # fmt: skip
-    p.add_argument(
-        "--store-from-dumps",
-        action="store_true",
-        help="the store alone fed from loaded states and from the server's dump files",
-    )
     p.add_argument("--store-workers", default="", help="e.g. 1,2,4,8: store-alone rows in memory")
     args = p.parse_args()
     concs = [int(c) for c in args.concs.split(",")]
@@ -819,9 +676,6 @@ def main() -> None:
         return
     if args.store_diag:
         store_diag(args, rows, shm)
-        return
-    if args.store_from_dumps:
-        store_from_dumps(args, rows, shm)
         return
     if args.store_beside_load:
         store_beside_load(args, rows, shm)

@@ -10,10 +10,9 @@ writes and publishing overlap the next group's. Before it opens a request the co
 thread waits for room in the dump root (bytes pending and free space), so a slow or absent client
 throttles the server instead of filling ``/dev/shm``.
 
-Copying straight from the GPU into the mapped files was measured and refused
-(``tests/gpu/d2h_probe.py``): registering a fresh 117 MB mapping with CUDA took 48 ms and did not
-run in parallel (2.1-2.3 GB/s on 1-8 threads), and unregistered (pageable) copies reached
-1.1-1.25 GB/s.
+Copying straight from the GPU into the mapped files was measured and refused: registering a
+fresh 117 MB mapping with CUDA took 48 ms and did not run in parallel (2.1-2.3 GB/s on 1-8
+threads), and unregistered (pageable) copies reached 1.1-1.25 GB/s.
 """
 
 from __future__ import annotations
