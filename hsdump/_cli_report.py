@@ -1,8 +1,8 @@
 """How ``hsdump extract`` reports a run on the console: live progress, then the summary.
 
 A terminal gets a live bar (samples, tokens/s, MB/s, compression ratio, ETA, failures); anywhere
-else (Slurm, nohup, CI) a plain progress line every few seconds. The summary names the stages,
-the queues before them, and which one samples waited in longest.
+else (Slurm, nohup, CI) a plain progress line every few seconds. The summary says what a user
+acts on first, then the stages and which one samples waited for longest.
 """
 
 from __future__ import annotations
@@ -106,6 +106,8 @@ def print_summary(
     fail_fast: bool = False,
     signalled: bool = False,
 ) -> None:
+    """What a user acts on first (samples, tokens, sizes, rate, failures and where they are),
+    then where the time went: one line of stages, one of the processes."""
     ratio = "n/a" if math.isnan(summary.ratio) else f"{summary.ratio:.2f}x"
     state = "done"
     if signalled or summary.interrupted:
@@ -113,51 +115,32 @@ def print_summary(
         state = "stopped at the first failure" if first_failure else "interrupted"
     if summary.recovered:
         shown = ", ".join(summary.recovered[:10]) + (", ..." if len(summary.recovered) > 10 else "")
-        console.print(
+        _say(
             f"[yellow]re-extracted {len(summary.recovered)} sample(s)[/] committed before an "
-            f"unclean stop whose stored bytes failed their checksums: {shown}",
-            highlight=False,
+            f"unclean stop whose stored bytes failed their checksums: {shown}"
         )
-    console.print(
+    _say(
         f"{state}: {summary.samples_done} samples written, {summary.skipped} skipped, "
         f"{summary.tokens_done:,} tokens, {summary.bytes_raw / 1e6:.1f} MB raw, "
         f"{summary.bytes_stored / 1e6:.1f} MB stored ({ratio}), {summary.wall_s:.1f} s, "
-        f"{summary.tokens_per_s:,.0f} tokens/s, {len(summary.failures)} failed",
-        highlight=False,
+        f"{summary.tokens_per_s:,.0f} tokens/s, {len(summary.failures)} failed"
     )
-    from hsdump._run.common import QUEUES
-
-    work = {name: s for name, s in summary.stages.items() if name not in QUEUES}
-    if work:
-        busiest = max(work, key=work.__getitem__)
-        stages = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in work.items())
-        console.print(
-            f"time per stage (overlapping): {stages}; busiest: {busiest}", highlight=False
-        )
-    if summary.limit is not None:
-        queued = ", ".join(
-            f"{stage} {summary.stages.get(queue, 0.0):.2f} s (x{summary.occupancy(queue):.1f})"
-            for queue, stage in QUEUES.items()
-        )
-        console.print(
-            f"queued before (overlapping): {queued}; samples waited most for: {summary.limit}",
-            highlight=False,
-        )
-    _print_telemetry(summary)
     if summary.failures:
-        console.print(f"[red]failures recorded in {failures_path}[/]", highlight=False)
-
-
-def _print_telemetry(summary: ExtractionSummary) -> None:
-    """Which side limits the run: per-stage GB/s and occupancy, cores busy, peak memory."""
+        _say(f"[red]failures recorded in {failures_path}[/]")
     rates = summary.stage_rates()
     if rates:
         stages = ", ".join(
-            f"{name} {gbs:.2f} GB/s x{busy:.1f}" for name, (gbs, busy) in rates.items()
+            f"{name} {summary.stages[name]:.2f} s ({gbs:.2f} GB/s x{busy:.1f})"
+            for name, (gbs, busy) in rates.items()
         )
-        console.print(f"per stage (GB/s while busy x samples in it): {stages}", highlight=False)
-    console.print(
+        waited = f"; samples waited most for {summary.limit}" if summary.limit else ""
+        _say(f"stages (overlapping; GB/s while busy x samples in it): {stages}{waited}")
+    _say(
         f"{summary.workers} worker process(es), {summary.cores_busy:.1f} cores busy, "
-        f"peak memory {summary.peak_rss_bytes / 1e9:.2f} GB",
-        highlight=False,
+        f"peak memory {summary.peak_rss_bytes / 1e9:.2f} GB"
     )
+
+
+def _say(line: str) -> None:
+    """One line, never wrapped mid-phrase where the output is a log file."""
+    console.print(line, highlight=False, soft_wrap=True)

@@ -11,7 +11,6 @@ from hsdump._settings import setting
 
 __all__ = ["ByteBudget", "default_budget_bytes"]
 
-ENV_BUDGET = "HSDUMP_DUMP_BUDGET_BYTES"
 DEFAULT_FRACTION = 0.5
 
 

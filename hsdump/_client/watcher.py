@@ -37,7 +37,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-ENV_WATCHER = "HSDUMP_WATCHER"
 
 
 @runtime_checkable

@@ -211,7 +211,6 @@ class HiddenStateStore:
     ) -> None:
         self._root = root
         self._options = options
-        self._mode = mode
         self.where = where
         self.writer_id = None if mode == "r" else writer_id
         self._compression = compression
