@@ -41,6 +41,7 @@ __all__ = [
     "ProgressCallback",
     "RunOptions",
     "SampleSink",
+    "Tally",
     "failures_path_for",
     "peak_rss_bytes",
     "plan_samples",
@@ -343,6 +344,55 @@ class SampleSink(Protocol):
     def bytes_stored(self) -> int:
         """Bytes written to storage so far: with ``bytes_raw_written``, the compression ratio."""
         ...
+
+
+class Tally:
+    """The counters of a run spread over processes (worker processes, Ray actors): what ended
+    processes committed and counted, plus the running counters of the live ones, folded into the
+    run's summary, which the progress callback sees at most every 0.1 s."""
+
+    ADDITIVE = ("samples_done", "tokens_done", "bytes_raw", "retries", "skipped")
+    TOTALS = ("bytes_stored", "store_bytes_raw", "cpu_s")
+
+    def __init__(self, summary: ExtractionSummary, progress: ProgressCallback | None):
+        self.summary, self._progress = summary, progress
+        self.closed: dict[str, Any] = dict.fromkeys((*self.ADDITIVE, *self.TOTALS), 0)
+        self.closed.update(stages={}, peak_rss_bytes=0)
+        self._skipped_at_start = summary.skipped
+        self._reported = 0.0
+
+    def commit(self, done: Sequence[Sample], bytes_per_token: float) -> None:
+        """Count the samples an ended process committed, as the store says."""
+        tokens = sum(len(s.input_ids) for s in done)
+        self.closed["samples_done"] += len(done)
+        self.closed["tokens_done"] += tokens
+        self.closed["bytes_raw"] += int(tokens * bytes_per_token)
+
+    def fold(self, counters: Mapping[str, Any], names: Sequence[str] = TOTALS) -> None:
+        """An ended process's running ``counters`` (``names``, its stages and peak memory)."""
+        for name in names:
+            self.closed[name] += counters.get(name, 0)
+        for name, seconds in counters.get("stages", {}).items():
+            self.closed["stages"][name] = self.closed["stages"].get(name, 0.0) + seconds
+        peak = self.closed["peak_rss_bytes"]
+        self.closed["peak_rss_bytes"] = max(peak, counters.get("peak_rss_bytes", 0))
+
+    def report(self, live: Sequence[Mapping[str, Any]], *, force: bool = False) -> None:
+        """Set the summary from the closed counters and the ``live`` processes' own."""
+        s, closed = self.summary, self.closed
+        for name in (*self.ADDITIVE, *self.TOTALS):
+            setattr(s, name, closed[name] + sum(c.get(name, 0) for c in live))
+        s.skipped += self._skipped_at_start
+        s.cpu_s += time.process_time()  # this process's own
+        s.stages = dict(closed["stages"])
+        for c in live:
+            for name, seconds in c.get("stages", {}).items():
+                s.stages[name] = s.stages.get(name, 0.0) + seconds
+        s.peak_rss_bytes = closed["peak_rss_bytes"] + sum(c.get("peak_rss_bytes", 0) for c in live)
+        now = time.monotonic()
+        if self._progress is not None and (force or now - self._reported > 0.1):
+            self._reported = now
+            self._progress(s)
 
 
 def token_change(store: SampleSink, sample: Sample) -> SampleExistsError | None:

@@ -39,11 +39,12 @@ from hsdump._run.common import (
     Failure,
     FailureLog,
     RunOptions,
+    Tally,
     plan_samples,
     sigterm_as_interrupt,
 )
 from hsdump._run.posting import Ask, ParentPosts
-from hsdump._run.worker import COUNTERS, STOP_GRACE_S, WorkerSpec, worker_main
+from hsdump._run.worker import STOP_GRACE_S, WorkerSpec, worker_main
 from hsdump._types import Sample
 
 __all__ = ["committed_ids", "run_parallel_extraction"]
@@ -93,7 +94,6 @@ class _Parallel:
         self.summary = summary
         self.log = log
         self.lines = options.line_numbers
-        self.progress = options.progress
         self.store_path = store_path
         self.fail_fast = options.fail_fast
         self.credit = specs[0].concurrency + 2
@@ -103,13 +103,10 @@ class _Parallel:
         )  # fmt: skip
         self.context = multiprocessing.get_context("spawn")
         self.workers: list[_Worker] = []
-        self.closed: dict[str, Any] = {name: 0 for name in (*COUNTERS, "retries", "skipped")}
-        self.closed.update(stages={}, cpu_s=0.0, peak_rss_bytes=0)
+        self.tally = Tally(summary, options.progress)
         self.lost: dict[int, str] = {}  # servers whose workers could not open
         self.stopping = False
         self._ready = False
-        self._skipped_at_start = self.summary.skipped
-        self._reported = 0.0
 
     def run(self) -> None:
         self.workers = [self._spawn(spec) for spec in self.specs]
@@ -260,26 +257,14 @@ class _Parallel:
         ]
         done = [s for sid, s in worker.given.items() if sid in committed]
         counters = worker.counters
-        self._close_counters(counters, done)
+        per_token = counters.get("bytes_raw", 0) / max(counters.get("tokens_done", 0), 1)
+        self.tally.commit(done, per_token)
+        self.tally.fold(
+            counters, ("bytes_stored", "store_bytes_raw", "retries", "skipped", "cpu_s")
+        )
         if not self.stopping:
             self.pending.extendleft(reversed(left))
         worker.given, worker.counters = {}, {}
-
-    def _close_counters(self, counters: Mapping[str, Any], done: list[Sample]) -> None:
-        """Fold a finished worker's counters in, counting only samples the store holds."""
-        tokens = sum(len(s.input_ids) for s in done)
-        per_token = counters.get("bytes_raw", 0) / max(counters.get("tokens_done", 0), 1)
-        self.closed["samples_done"] += len(done)
-        self.closed["tokens_done"] += tokens
-        self.closed["bytes_raw"] += int(tokens * per_token)
-        for name in ("bytes_stored", "store_bytes_raw", "retries", "skipped"):
-            self.closed[name] += counters.get(name, 0)
-        for name, seconds in counters.get("stages", {}).items():
-            self.closed["stages"][name] = self.closed["stages"].get(name, 0.0) + seconds
-        self.closed["cpu_s"] += counters.get("cpu_s", 0.0)
-        self.closed["peak_rss_bytes"] = max(
-            self.closed["peak_rss_bytes"], counters.get("peak_rss_bytes", 0)
-        )
 
     def _end(self) -> None:
         for worker in self._live():
@@ -312,24 +297,7 @@ class _Parallel:
         self._report(force=True)
 
     def _report(self, *, force: bool = False) -> None:
-        s, closed = self.summary, self.closed
-        live = [w.counters for w in self.workers if not w.exited]
-        for name in COUNTERS:
-            setattr(s, name, closed[name] + sum(c.get(name, 0) for c in live))
-        s.retries = closed["retries"] + sum(c.get("retries", 0) for c in live)
-        s.skipped = self._skipped_at_start + closed["skipped"]
-        s.skipped += sum(c.get("skipped", 0) for c in live)
-        stages = dict(closed["stages"])
-        for c in live:
-            for name, seconds in c.get("stages", {}).items():
-                stages[name] = stages.get(name, 0.0) + seconds
-        s.stages = stages
-        s.cpu_s = closed["cpu_s"] + sum(c.get("cpu_s", 0.0) for c in live) + time.process_time()
-        s.peak_rss_bytes = closed["peak_rss_bytes"] + sum(c.get("peak_rss_bytes", 0) for c in live)
-        now = time.monotonic()
-        if self.progress is not None and (force or now - self._reported > 0.1):
-            self._reported = now
-            self.progress(s)
+        self.tally.report([w.counters for w in self.workers if not w.exited], force=force)
 
 
 def run_parallel_extraction(

@@ -43,6 +43,7 @@ from hsdump._run.common import (
     Failure,
     FailureLog,
     RunOptions,
+    Tally,
     plan_samples,
     sigterm_as_interrupt,
 )
@@ -59,8 +60,6 @@ logger = logging.getLogger(__name__)
 
 _MAX_RESTARTS = 3
 _CREDIT = 2  # batches out per actor: the next one is queued there while one finishes
-_ADDITIVE = ("samples_done", "tokens_done", "bytes_raw", "retries", "skipped")
-_TOTALS = ("bytes_stored", "store_bytes_raw", "cpu_s")
 
 
 @dataclass(eq=False)
@@ -105,7 +104,6 @@ class _RayRun:
         self.summary = summary
         self.log = log
         self.lines = options.line_numbers
-        self.progress = options.progress
         self.store = store
         self.fail_fast = options.fail_fast
         # Smaller batches for a small dataset, so that every actor gets a share of it.
@@ -114,14 +112,11 @@ class _RayRun:
         self.grace_s: float = batches.writer_grace_s
         self.calls: dict[Any, tuple[_Actor, str]] = {}
         self.actors: list[_Actor] = []
-        self.closed: dict[str, Any] = {name: 0 for name in (*_ADDITIVE, *_TOTALS)}
-        self.closed.update(stages={}, peak_rss_bytes=0)
+        self.tally = Tally(summary, options.progress)
         self.lost: dict[int, str] = {}
         self.held_back: list[Sample] = []  # leases of an actor that may still be writing
         self.stopping = False
         self._ready = False
-        self._skipped_at_start = self.summary.skipped
-        self._reported = 0.0
         self.token = secrets.token_hex(3)
 
     def run(self) -> None:
@@ -216,8 +211,8 @@ class _RayRun:
             self._add(result)
 
     def _add(self, result: BatchResult) -> None:
-        for name in _ADDITIVE:
-            self.closed[name] += getattr(result, name)
+        for name in Tally.ADDITIVE:
+            self.tally.closed[name] += getattr(result, name)
         for failure in result.failures:
             self._failed(failure)
 
@@ -246,7 +241,7 @@ class _RayRun:
         for ref in actor.out:
             self.calls.pop(ref, None)
         actor.out = {}
-        self._fold(actor.totals)
+        self.tally.fold(actor.totals)
         if leased:
             self._resolve(actor, leased)
         if self.stopping:
@@ -268,11 +263,8 @@ class _RayRun:
             return
         committed = committed_ids(self.store)
         done = [s for s in leased if s.id in committed]
-        per_token = self.closed["bytes_raw"] / max(self.closed["tokens_done"], 1)
-        tokens = sum(len(s.input_ids) for s in done)
-        self.closed["samples_done"] += len(done)
-        self.closed["tokens_done"] += tokens
-        self.closed["bytes_raw"] += int(tokens * per_token)
+        closed = self.tally.closed
+        self.tally.commit(done, closed["bytes_raw"] / max(closed["tokens_done"], 1))
         if not self.stopping:
             self.pending.extendleft(reversed([s for s in leased if s.id not in committed]))
 
@@ -309,7 +301,7 @@ class _RayRun:
                 logger.warning("part %s: %s: %s", actor.writer_id, result.error, result.message)
         for actor in self._live():
             actor.dead = True
-            self._fold(actor.totals)
+            self.tally.fold(actor.totals)
 
     def _wait_all(self, refs: list[Any]) -> list[Any]:
         """The calls of ``refs`` that end within the stop grace."""
@@ -338,33 +330,8 @@ class _RayRun:
 
     # -- counters ------------------------------------------------------------------------------
 
-    def _fold(self, totals: Mapping[str, Any]) -> None:
-        """An ended actor's running totals join the closed counters."""
-        for name in _TOTALS:
-            self.closed[name] += totals.get(name, 0)
-        for name, seconds in totals.get("stages", {}).items():
-            self.closed["stages"][name] = self.closed["stages"].get(name, 0.0) + seconds
-        self.closed["peak_rss_bytes"] += totals.get("peak_rss_bytes", 0)
-
     def _report(self, *, force: bool = False) -> None:
-        s, closed = self.summary, self.closed
-        live = [a.totals for a in self._live()]
-        for name in _ADDITIVE:
-            setattr(s, name, closed[name])
-        s.skipped += self._skipped_at_start
-        for name in _TOTALS:
-            setattr(s, name, closed[name] + sum(t.get(name, 0) for t in live))
-        s.cpu_s += time.process_time()
-        stages = dict(closed["stages"])
-        for totals in live:
-            for name, seconds in totals.get("stages", {}).items():
-                stages[name] = stages.get(name, 0.0) + seconds
-        s.stages = stages
-        s.peak_rss_bytes = closed["peak_rss_bytes"] + sum(t.get("peak_rss_bytes", 0) for t in live)
-        now = time.monotonic()
-        if self.progress is not None and (force or now - self._reported > 0.1):
-            self._reported = now
-            self.progress(s)
+        self.tally.report([a.totals for a in self._live()], force=force)
 
 
 def _reason(exc: BaseException) -> str:
