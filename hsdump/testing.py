@@ -537,18 +537,7 @@ def read_dump(path: str | os.PathLike[str]) -> HiddenStates:
         DumpValidationError: The dump is incomplete or malformed, or a value is non-finite or
             a vector all zeros.
     """
-    import torch
-
     from hsdump._client.loading import read_dump as read
-    from hsdump._client.loading import to_torch
 
     dump = read(path)
-    meta = dump.meta
-    return HiddenStates(
-        sample_id=meta.rid,
-        input_ids=torch.tensor(meta.input_ids, dtype=torch.int64),
-        aux_hidden_states=to_torch(dump.aux, meta.dtype),
-        final_hidden_state=to_torch(dump.final, meta.dtype),
-        layer_ids=list(meta.layer_ids),
-        meta=meta,
-    )
+    return dump.states(dump.meta.rid)

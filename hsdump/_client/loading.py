@@ -56,6 +56,25 @@ class Dump:
     final: np.ndarray
     moments: np.ndarray | None = None
 
+    def states(
+        self, sample_id: str, loss_mask: torch.Tensor | None = None, *, values_checked: bool = True
+    ) -> HiddenStates:
+        """The dump as `HiddenStates`, its tensors views of the dump's files."""
+        import torch
+
+        meta = self.meta
+        return HiddenStates(
+            sample_id=sample_id,
+            input_ids=torch.tensor(meta.input_ids, dtype=torch.int64),
+            aux_hidden_states=to_torch(self.aux, meta.dtype),
+            final_hidden_state=to_torch(self.final, meta.dtype),
+            layer_ids=list(meta.layer_ids),
+            loss_mask=loss_mask,
+            meta=meta,
+            values_checked=values_checked,
+            row_moments=None if self.moments is None else torch.from_numpy(self.moments),
+        )
+
 
 def to_torch(bits: np.ndarray, dtype: str) -> torch.Tensor:
     """View an array of raw bits as a torch tensor of protocol dtype ``dtype`` without copying."""
@@ -167,17 +186,6 @@ def load_dump(
         check_values=check_values,
         moments=expected.row_moments,
     )
-    meta = dump.meta
-    expected.remember(meta)  # only now: a refused dump must not set what the next are held to
+    expected.remember(dump.meta)  # only now: a refused dump must not set what the next are held to
     mask = None if sample.loss_mask is None else torch.tensor(sample.loss_mask, dtype=torch.uint8)
-    return HiddenStates(
-        sample_id=sample.id,
-        input_ids=torch.tensor(meta.input_ids, dtype=torch.int64),
-        aux_hidden_states=to_torch(dump.aux, meta.dtype),
-        final_hidden_state=to_torch(dump.final, meta.dtype),
-        layer_ids=list(meta.layer_ids),
-        loss_mask=mask,
-        meta=meta,
-        values_checked=check_values,
-        row_moments=None if dump.moments is None else torch.from_numpy(dump.moments),
-    )
+    return dump.states(sample.id, mask, values_checked=check_values)
