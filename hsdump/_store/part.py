@@ -263,7 +263,7 @@ class PartWriter:
         )
         self._max_inflight = options.shard_writers
         self._small_chunks = threading.Lock()
-        self._last_commit = 0.0
+        self._last_commit = time.monotonic()  # the first commit comes one interval after open
         self._recent: collections.deque[tuple[float, int]] = collections.deque()  # (t, first row)
         # Each commit costs ~7 ms of zarr work (mostly holding the GIL); once per shard, it was a
         # third of the writer thread's time on 16 cores.

@@ -337,9 +337,10 @@ class HiddenStateStore:
             raise ConfigError(f"writer_id {writer_id!r} must be a non-empty name without '/'")
         name = PART_PREFIX + writer_id
         try:
-            group = self._root.require_group(name)
+            # The lock first: of two writers racing for a new part, the loser never touches it.
             ttl_s = self._options.lease_ttl_s
             self._part_lock = lock_part(self._root, name, self.where, writer_id, ttl_s=ttl_s)
+            group = self._root.require_group(name)
             writer = self._resume_part(group, name, writer_id, self._part_lock)
             if damaged := self._damaged.get(name):  # left out since the crash: now for good
                 writer.drop([c.row for c in damaged])
