@@ -255,8 +255,8 @@ class HiddenStateStore:
             for index in indexes:
                 self._readers[index.name].index = index
             for index in indexes:
-                if index is not own:
-                    self._recheck(index)
+                if index is not own and index.name not in self._damaged:
+                    self._recheck(index)  # once a part, when it is first seen
             self._where, self.duplicates = {}, []
             for index in indexes:
                 self._add_rows(index, 0, index.state.n_committed)
@@ -305,7 +305,7 @@ class HiddenStateStore:
         """Re-read the rows a writer committed in its last seconds before an unclean stop."""
         start = index.state.recheck_from
         if start is None:
-            self._damaged.pop(index.name, None)
+            self._damaged[index.name] = []
             return
         skip, reader = set(index.state.dropped), self._readers[index.name]
         found = []
