@@ -502,6 +502,7 @@ def extract(
         import anyio
 
         options = given
+        _check_readable(options.dataset)  # before any server starts
         if shard is not None:
             parsed = Shard.parse(shard)
             options = dataclasses.replace(
@@ -525,6 +526,17 @@ def extract(
             return anyio.run(_until_stopped, stop, run)
 
     _run_guarded(job)
+
+
+def _check_readable(dataset: Path) -> None:
+    """Refuse a dataset file that cannot be opened, naming it and why."""
+    from hsdump._exceptions import InputError
+
+    try:
+        with dataset.open("rb"):
+            pass
+    except OSError as exc:
+        raise InputError(f"cannot read the dataset {dataset}: {exc.strerror or exc}") from exc
 
 
 def _warn_small_pages(roots: Sequence[Path | None]) -> None:

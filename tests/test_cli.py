@@ -172,6 +172,7 @@ def test_an_unreachable_server_is_a_one_line_error_with_exit_code_two(tmp_path):
         cli_app, [*args, "--server-url", "http://127.0.0.1:9", "--dump-dir", str(tmp_path)]
     )
     assert result.exit_code == 2 and result.output.startswith("error:")
+    assert "cannot reach the server at http://127.0.0.1:9" in result.output
     assert "Traceback" not in result.output
 
 
@@ -188,6 +189,8 @@ def test_an_unwritable_dump_root_is_a_one_line_error_with_exit_code_two(model_di
 def test_a_missing_dataset_is_a_one_line_error(model_dir, tmp_path):
     result = _extract(model_dir, tmp_path, tmp_path / "missing.jsonl")
     assert result.exit_code == 2 and "cannot read the dataset" in result.output
+    assert "No such file or directory" in result.output
+    assert "starting the reference server" not in result.output  # checked before any server
     assert "Traceback" not in result.output
 
 

@@ -146,7 +146,8 @@ def test_sigkill_mid_run_then_rerun_gives_the_store_of_an_uninterrupted_run(mode
     samples = _samples(3, lengths)
     lines = [json.dumps({"id": s.id, "input_ids": s.input_ids}) for s in samples]
     dataset.write_text("\n".join(lines) + "\n")
-    env = {**os.environ, "COLUMNS": "200"}
+    # A commit at each shard, so that the kill finds some committed and some not.
+    env = {**os.environ, "COLUMNS": "200", "HSDUMP_COMMIT_INTERVAL_S": "0"}
 
     with subprocess.Popen(
         _cli(model_dir, dataset, tmp_path / "k.zarr", tmp_path / "d1"),

@@ -237,7 +237,11 @@ class HiddenStateClient:
         """Check the server and the dump root, and take a client id (``async with`` does this)."""
         if self._state is not _State.UNOPENED:
             raise ConfigError(f"this client is {self._state.value}; create a new one")
-        self.manifest = self._live_manifest()
+        try:
+            self.manifest = self._live_manifest()
+        except ServerNotDumping as exc:
+            await self._say_if_unreachable(exc)
+            raise
         if self._http is None:
             self._http = httpx.AsyncClient(base_url=self.base_url, timeout=self.request_timeout)
         self._sender = self._sender_arg or HttpSender(self._http, timeout=self.request_timeout)
@@ -283,6 +287,18 @@ class HiddenStateClient:
         if self._watcher_arg is None or isinstance(self._watcher_arg, str):
             return default_watcher(self.dump_dir, self._watcher_arg)
         return self._watcher_arg
+
+    async def _say_if_unreachable(self, cause: ServerNotDumping) -> None:
+        """With no producer in the dump root, first say so if the server cannot be reached: a
+        server that is not running (or a wrong URL) explains an empty root too."""
+        async with httpx.AsyncClient(base_url=self.base_url, timeout=5.0) as probe:
+            try:
+                await probe.get("/health")
+            except httpx.TransportError as exc:
+                raise ServerUnavailable(
+                    f"cannot reach the server at {self.base_url} ({exc!r}), and no server dumps "
+                    f"into {self.dump_dir}. Is it running, and is this its URL?"
+                ) from cause
 
     def _live_manifest(self) -> ProducerManifest:
         manifests = read_manifests(self.dump_dir)
