@@ -225,18 +225,6 @@ class _ExtractOptions:
         return load_tokenizer(self.tokenizer) if self.tokenizer else None
 
 
-async def _prepare(
-    options: _ExtractOptions, url: str, dump_dir: Path | None
-) -> tuple[Dataset, list[Failure]]:
-    """Check the server (through a client that is closed again) and read the dataset."""
-    from hsdump._client.client import HiddenStateClient
-    from hsdump._run.inputs import InputLimits
-
-    client = HiddenStateClient(url, dump_dir=dump_dir, **options.client_options())
-    async with client:
-        return _read_dataset(options, InputLimits.from_server_info(client.server_info))
-
-
 def _read_dataset(options: _ExtractOptions, limits: InputLimits) -> tuple[Dataset, list[Failure]]:
     from hsdump._run.common import Failure
     from hsdump._run.inputs import read_dataset
@@ -304,12 +292,13 @@ async def _extract(
 
 def _extract_parallel(options: _ExtractOptions, url: str, dump_dir: Path | None) -> int:
     """``--workers`` > 1: extraction in worker processes, each with its own store part."""
-    import anyio
-
     from hsdump._run.common import failures_path_for
+    from hsdump._run.inputs import input_limits
     from hsdump._run.parallel import run_parallel_extraction
 
-    dataset, prior = anyio.run(_prepare, options, url, dump_dir)
+    # The workers' clients check the server; this process neither opens a client nor imports
+    # torch, so the workers start (and import it) seconds sooner.
+    dataset, prior = _read_dataset(options, input_limits(url))
     failures_path = failures_path_for(local_side(options.out))
     with progress_view(options.log_every) as view:
         try:
@@ -340,7 +329,8 @@ def _extract_ray(
     """``--ray``: one actor per server of the servers file, each on its server's node."""
     from hsdump._exceptions import ConfigError
     from hsdump._run.common import failures_path_for
-    from hsdump._run.ray_cluster import input_limits, require_ray
+    from hsdump._run.inputs import input_limits
+    from hsdump._run.ray_cluster import require_ray
     from hsdump._run.ray_driver import run_ray_extraction
 
     if servers is None:

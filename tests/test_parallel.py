@@ -121,7 +121,7 @@ def test_a_killed_worker_loses_nothing_and_its_samples_are_redone(fake, tmp_path
 
 
 def test_a_worker_that_cannot_open_stops_the_run_with_its_reason(tmp_path) -> None:
-    with pytest.raises(WorkerError, match="ServerNotDumping"):
+    with pytest.raises(WorkerError, match="ServerUnavailable: cannot reach the server"):
         run_parallel_extraction(
             _samples(4), url="http://127.0.0.1:9", dump_dir=tmp_path, store=tmp_path / "s.zarr",
             workers=2,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -26,10 +27,13 @@ __all__ = [
     "Dataset",
     "InputLimits",
     "Shard",
+    "input_limits",
     "load_tokenizer",
     "local_model_config",
     "read_dataset",
 ]
+
+logger = logging.getLogger(__name__)
 
 # What ``errors="surrogateescape"`` turns each byte that is not UTF-8 into.
 _UNDECODABLE = re.compile("[\udc80-\udcff]")
@@ -244,3 +248,17 @@ class Shard:
     def writer_id(self) -> str:
         """The store part this shard writes when no writer id is given."""
         return f"shard{self.index}of{self.count}"
+
+
+def input_limits(url: str) -> InputLimits:
+    """The input limits the server at ``url`` reports (none are checked if it cannot say)."""
+    import httpx
+
+    try:
+        response = httpx.get(f"{url.rstrip('/')}/server_info", timeout=30.0)
+        response.raise_for_status()
+        info = response.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        logger.warning("cannot read %s/server_info (%s): dataset lines are checked later", url, exc)
+        return InputLimits()
+    return InputLimits.from_server_info(info if isinstance(info, dict) else {})

@@ -17,13 +17,12 @@ from typing import TYPE_CHECKING, Any
 from hsdump._exceptions import ConfigError
 
 if TYPE_CHECKING:
-    from hsdump._run.inputs import InputLimits
+    pass
 
 __all__ = [
     "NODE_RESOURCE",
     "ServerEntry",
     "connected",
-    "input_limits",
     "require_ray",
     "resolve_nodes",
 ]
@@ -113,19 +112,3 @@ def _describe(node: Mapping[str, Any]) -> str:
         r.removeprefix(NODE_RESOURCE) for r in node["Resources"] if r.startswith(NODE_RESOURCE)
     ]
     return f"{node['NodeManagerAddress']} {node['NodeID'][:12]}" + "".join(f" {r}" for r in names)
-
-
-def input_limits(url: str) -> InputLimits:
-    """The input limits the server at ``url`` reports (none are checked if it cannot say)."""
-    import httpx
-
-    from hsdump._run.inputs import InputLimits
-
-    try:
-        response = httpx.get(f"{url.rstrip('/')}/server_info", timeout=30.0)
-        response.raise_for_status()
-        info = response.json()
-    except (httpx.HTTPError, ValueError) as exc:
-        logger.warning("cannot read %s/server_info (%s): dataset lines are checked later", url, exc)
-        return InputLimits()
-    return InputLimits.from_server_info(info if isinstance(info, dict) else {})
