@@ -187,7 +187,6 @@ class WriterThread:
                 num_layers=len(self.fmt.layer_ids),
                 hidden_size=self.fmt.hidden_size,
                 dtype=self.fmt.dtype,
-                mapped=True,
                 moments=True,
             )
         except (OSError, ValueError) as exc:

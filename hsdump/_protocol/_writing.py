@@ -70,8 +70,9 @@ class DumpWriter:
     """Writes one request's dump under a temporary name, then publishes it atomically.
 
     Rows may arrive in any order and in pieces (chunked prefill); `publish` refuses unless the
-    rows written cover exactly ``[0, num_tokens)``. Use as a context manager: leaving it without
-    publishing removes the temporary directory.
+    rows written cover exactly ``[0, num_tokens)``. Rows are copied into memory maps of the
+    files, so several threads can fill one file at once (the producer's writer pool does). Use
+    as a context manager: leaving it without publishing removes the temporary directory.
 
     Args:
         root: The dump root.
@@ -80,8 +81,6 @@ class DumpWriter:
         num_layers: K, the number of aux layers.
         hidden_size: H.
         dtype: The protocol dtype name of the data.
-        mapped: Copy rows into memory maps of the files instead of writing them: then several
-            threads can fill one file at once (the producer's writer pool does).
         moments: Also write ``moments.bin``, each vector's sum and sum of squares (for a
             producer that announces ``capabilities.row_moments``): given with the rows, or
             computed from them on the CPU.
@@ -96,7 +95,6 @@ class DumpWriter:
         num_layers: int,
         hidden_size: int,
         dtype: str,
-        mapped: bool = False,
         moments: bool = False,
     ):
         self.root = Path(root)
@@ -112,7 +110,7 @@ class DumpWriter:
         self._fds = [self._open(AUX_FILE, self._aux_row), self._open(FINAL_FILE, self._final_row)]
         sizes = (self._aux_row * num_tokens, self._final_row * num_tokens)
         self._maps = [
-            _MappedFile(fd, size) if mapped and size else None
+            _MappedFile(fd, size) if size else None
             for fd, size in zip(self._fds, sizes, strict=True)
         ]
         self._moments_row = (num_layers + 1) * 2 * 4  # float32 sum and sum of squares per vector
@@ -140,11 +138,9 @@ class DumpWriter:
         if start < 0 or start + n > self.num_tokens:
             raise ValueError(f"rows [{start}, {start + n}) fall outside [0, {self.num_tokens})")
         parts = ((aux_view, self._aux_row), (final_view, self._final_row))
-        for fd, mapped, (view, row) in zip(self._fds, self._maps, parts, strict=True):
-            if mapped is not None:
+        for mapped, (view, row) in zip(self._maps, parts, strict=True):
+            if mapped is not None:  # None: a file of no bytes
                 mapped.copy_in(start * row, view)
-            else:
-                os.pwrite(fd, view, start * row)
         if self._moments_fd is not None and not moments_later:
             if moments is None:
                 moments = self._computed_moments(n, aux_view, final_view)

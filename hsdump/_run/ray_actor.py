@@ -31,7 +31,6 @@ from hsdump._types import Sample
 
 if TYPE_CHECKING:
     from hsdump._client.client import ClientStats, HiddenStateClient
-    from hsdump._store.store import HiddenStateStore
 
 __all__ = ["ActorSpec", "BatchResult", "ExtractionActor"]
 
@@ -124,7 +123,11 @@ class ExtractionActor:
         )  # fmt: skip
         self._client = await self._stack.enter_async_context(client)
         self._store = self._stack.enter_context(self._open_part())
-        self._start = _Start(time.process_time(), _store_bytes(self._store), client.stats.copy())
+        self._start = _Start(
+            time.process_time(),
+            (self._store.bytes_raw_written, self._store.bytes_stored),
+            client.stats.copy(),
+        )
 
     def _open_part(self) -> Any:
         """The part ``<part>-a<n>`` for the first ``n`` whose lock no other process holds."""
@@ -191,7 +194,7 @@ class ExtractionActor:
         client, start = self._opened()
         stages = client.stats.since(start.client).stages()
         stages.update(self._store_s)
-        raw, stored = _store_bytes(self._store)
+        raw, stored = self._store.bytes_raw_written, self._store.bytes_stored
         return {
             "stages": stages,
             "cpu_s": time.process_time() - start.cpu_s,
@@ -199,8 +202,3 @@ class ExtractionActor:
             "store_bytes_raw": raw - start.stored[0],
             "bytes_stored": stored - start.stored[1],
         }
-
-
-def _store_bytes(store: HiddenStateStore) -> tuple[int, int]:
-    """Raw and stored bytes of the same samples (a store may commit after writing)."""
-    return store.bytes_raw_written, store.bytes_stored

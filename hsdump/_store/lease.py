@@ -39,15 +39,13 @@ from hsdump._exceptions import (
     StoreError,
     StoreIOError,
 )
-from hsdump._settings import setting
 from hsdump._store import zarr_adapter
 from hsdump._store.objstore import call_s3, dependency_error, error_code
 
-__all__ = ["DEFAULT_TTL_S", "Lease", "LeaseHolder", "lease_ttl"]
+__all__ = ["Lease", "LeaseHolder"]
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TTL_S = 60.0
 _CONFLICTS = ("PreconditionFailed", "ConditionalRequestConflict")
 _LOST = (*_CONFLICTS, "NoSuchKey")  # a renewal that finds the lease replaced or deleted
 _ATTEMPTS = 3  # the lease changed under us this often: give up with a message
@@ -69,11 +67,6 @@ class LeaseHolder(BaseModel):
     ttl_s: float
     acquired_at: str
     renewals: int = 0
-
-
-def lease_ttl() -> float:
-    """Seconds a lease lives without renewal: ``HSDUMP_LEASE_TTL_S``, else 60."""
-    return float(setting("lease_ttl_s"))
 
 
 @cache
@@ -131,10 +124,10 @@ class Lease:
 
     @classmethod
     def acquire(
-        cls, store: Any, part: str, writer_id: str, where: str, *, key: str, ttl_s: float | None
+        cls, store: Any, part: str, writer_id: str, where: str, *, key: str, ttl_s: float
     ) -> Lease:
         """Take the lease of ``part`` of the S3 store ``store``, kept at ``key`` (``bucket/...``),
-        living ``ttl_s`` without renewal (None: ``HSDUMP_LEASE_TTL_S``, else 60); or refuse.
+        living ``ttl_s`` without renewal (`StoreOptions.lease_ttl_s`); or refuse.
 
         Raises:
             PartLockedError: A live writer holds it (the message names the lease, its holder and
@@ -145,7 +138,7 @@ class Lease:
         start = _start_time(os.getpid())
         holder = LeaseHolder(
             owner=secrets.token_hex(16), writer_id=writer_id, host=socket.gethostname(),
-            machine=_machine(), pid=os.getpid(), pid_start=start, ttl_s=ttl_s or lease_ttl(),
+            machine=_machine(), pid=os.getpid(), pid_start=start, ttl_s=ttl_s,
             acquired_at=datetime.now(UTC).isoformat(timespec="seconds"),
         )  # fmt: skip
         lease = cls(store, key, url, holder, "")

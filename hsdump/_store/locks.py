@@ -50,7 +50,7 @@ class _FileLock:
 
 
 def lock_part(
-    root: zarr.Group, name: str, where: str, writer_id: str = "", *, ttl_s: float | None = None
+    root: zarr.Group, name: str, where: str, writer_id: str = "", *, ttl_s: float = 60.0
 ) -> PartLock:
     """Hold the part exclusively while it is open: a file lock beside a local store, a lease
     object beside an S3 store (`hsdump._store.lease`), nothing for other stores.

@@ -338,7 +338,7 @@ class HiddenStateStore:
         name = PART_PREFIX + writer_id
         try:
             # The lock first: of two writers racing for a new part, the loser never touches it.
-            ttl_s = self._options.lease_ttl_s
+            ttl_s = self._options.lease_ttl_s or 0.0  # resolved: always set
             self._part_lock = lock_part(self._root, name, self.where, writer_id, ttl_s=ttl_s)
             group = self._root.require_group(name)
             writer = self._resume_part(group, name, writer_id, self._part_lock)
