@@ -31,6 +31,27 @@ def dataset(length: int, count: int, seed: int) -> list[dict]:
     ]
 
 
+def append_record(out: Path, name: str, **record: object) -> None:
+    """Print ``record`` as a JSON line and append it to ``out/name``."""
+    print(json.dumps(record), flush=True)
+    with (out / name).open("a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def disk_write_rate(where: Path, gib: int = 4) -> float:
+    """GB/s of one sequential direct write with fdatasync (``dd``) into ``where``."""
+    target = where / "dd.bin"
+    t0 = time.perf_counter()
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={target}", "bs=64M", f"count={gib * 16}", "oflag=direct",
+         "conv=fdatasync"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    seconds = time.perf_counter() - t0
+    target.unlink()
+    return gib * (1 << 30) / seconds / 1e9
+
+
 async def plain(
     url: str, samples: list[dict], concurrency: int, dump_dir: str = "", hold: bool = True
 ) -> float:

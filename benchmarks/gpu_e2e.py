@@ -28,29 +28,13 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_bench import dataset, plain
+from gpu_bench import append_record, dataset, disk_write_rate, plain
 
 TOKENS = 2048
 
 
 def log(out: Path, **record: object) -> None:
-    print(json.dumps(record), flush=True)
-    with (out / "e2e.jsonl").open("a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def disk_rate(where: Path, gib: int = 4) -> float:
-    """GB/s of one sequential direct write with fdatasync (``dd``)."""
-    target = where / "dd.bin"
-    t0 = time.perf_counter()
-    subprocess.run(
-        ["dd", "if=/dev/zero", f"of={target}", "bs=64M", f"count={gib * 16}", "oflag=direct",
-         "conv=fdatasync"],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    seconds = time.perf_counter() - t0
-    target.unlink()
-    return gib * (1 << 30) / seconds / 1e9
+    append_record(out, "e2e.jsonl", **record)
 
 
 def stored_bytes(path: Path) -> int:
@@ -102,7 +86,7 @@ def main() -> None:
     data = args.disk / "e2e.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     asyncio.run(plain(args.url, dataset(512, 16, 99), 4))  # warm-up (JIT)
-    disk = disk_rate(args.disk)
+    disk = disk_write_rate(args.disk)
     log(args.out, row="disk", gb_per_s=round(disk, 3))
     alone = tokens / asyncio.run(plain(args.url, rows, args.conc))
     log(args.out, row="server alone", conc=args.conc, tok_per_s=round(alone))

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpu_bench import dataset, plain
+from gpu_bench import append_record, dataset, disk_write_rate, plain
 
 TOKENS, ROW_BYTES = 2048, 4 * 7168 * 2
 
@@ -65,23 +65,7 @@ def as_states(data: list[tuple[np.ndarray, np.ndarray]], prefix: str) -> list:
 
 
 def log(out: Path, **record: object) -> None:
-    print(json.dumps(record), flush=True)
-    with (out / "kimi.jsonl").open("a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def disk_write_rate(where: Path, gib: int = 4) -> float:
-    """GB/s of one sequential direct write with fdatasync (``dd``), as the issue measured it."""
-    target = where / "dd.bin"
-    t0 = time.perf_counter()
-    subprocess.run(
-        ["dd", "if=/dev/zero", f"of={target}", "bs=64M", f"count={gib * 16}", "oflag=direct",
-         "conv=fdatasync"],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    seconds = time.perf_counter() - t0
-    target.unlink()
-    return gib * (1 << 30) / seconds / 1e9
+    append_record(out, "kimi.jsonl", **record)
 
 
 def codec_rate(rows: np.ndarray, threads: int) -> tuple[float, float]:
