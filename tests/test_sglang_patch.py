@@ -551,20 +551,22 @@ def test_rows_are_written_while_their_moments_are_still_being_taken(
 # --- the start-up warning about a dump root on a tmpfs with 4 KB pages -----------------------
 
 
-def _shm(tmp_path: Path) -> Path:
-    path = tmp_path.resolve() / "shm"
-    path.mkdir()
-    return path
+def _shm_with_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A directory on a 4 KB-page tmpfs, as the mount table and shmem setting files say, which
+    the module reads instead of the kernel's."""
+    shm = tmp_path.resolve() / "shm"
+    shm.mkdir()
+    (shm.parent / "mounts").write_text(mounts((shm, "tmpfs", "rw")))
+    (shm.parent / "shmem_enabled").write_text(NEVER + "\n")
+    monkeypatch.setattr(memfs, "MOUNTS_FILE", shm.parent / "mounts")
+    monkeypatch.setattr(memfs, "SHMEM_ENABLED_FILE", shm.parent / "shmem_enabled")
+    return shm
 
 
 def test_the_mount_table_and_the_shmem_setting_are_read_from_their_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    shm = _shm(tmp_path)
-    (shm.parent / "mounts").write_text(mounts((shm, "tmpfs", "rw")))
-    (shm.parent / "shmem_enabled").write_text(NEVER + "\n")
-    monkeypatch.setattr(memfs, "MOUNTS_FILE", shm.parent / "mounts")
-    monkeypatch.setattr(memfs, "SHMEM_ENABLED_FILE", shm.parent / "shmem_enabled")
+    shm = _shm_with_files(tmp_path, monkeypatch)
     assert memfs.small_page_tmpfs(shm / "hsdump") == str(shm)
 
 
@@ -572,11 +574,7 @@ def test_the_mount_table_and_the_shmem_setting_are_read_from_their_files(
 def test_an_unreadable_mount_table_or_shmem_setting_gives_no_answer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, missing: str
 ) -> None:
-    shm = _shm(tmp_path)
-    (shm.parent / "mounts").write_text(mounts((shm, "tmpfs", "rw")))
-    (shm.parent / "shmem_enabled").write_text(NEVER + "\n")
-    monkeypatch.setattr(memfs, "MOUNTS_FILE", shm.parent / "mounts")
-    monkeypatch.setattr(memfs, "SHMEM_ENABLED_FILE", shm.parent / "shmem_enabled")
+    shm = _shm_with_files(tmp_path, monkeypatch)
     monkeypatch.setattr(memfs, missing, shm.parent / "absent")
     assert memfs.small_page_tmpfs(shm / "hsdump") is None
 
