@@ -49,6 +49,13 @@ def _killed_writer(path: Path) -> None:
     proc.stdout.close()
 
 
+def _closed_writer(path: Path) -> None:
+    """Commit s0..s5 and close the store cleanly."""
+    with open_test_store(str(path), writer_id="w") as store:
+        for i in range(6):
+            store.write(make_sample(i))
+
+
 def _damage_shards(path: Path) -> None:
     """Zero the first half of every shard file of the part (its compressed chunks)."""
     shards = sorted((path / "part-w" / "hidden").glob("c.*"))
@@ -102,9 +109,7 @@ def test_the_resumed_writer_drops_them_for_good_and_writes_them_again(tmp_path: 
 
 def test_a_cleanly_closed_part_is_not_reread_at_open(tmp_path: Path) -> None:
     path = tmp_path / "s.zarr"
-    with open_test_store(str(path), writer_id="w") as store:
-        for i in range(6):
-            store.write(make_sample(i))
+    _closed_writer(path)
     _damage_shards(path)
     with open_test_store(str(path), "r") as store:
         assert store.recovered == [] and set(store.committed_ids()) == set(IDS)
@@ -112,9 +117,7 @@ def test_a_cleanly_closed_part_is_not_reread_at_open(tmp_path: Path) -> None:
 
 def test_verify_store_drop_removes_damaged_samples_so_a_rerun_writes_them(tmp_path: Path) -> None:
     path = tmp_path / "s.zarr"
-    with open_test_store(str(path), writer_id="w") as store:
-        for i in range(6):
-            store.write(make_sample(i))
+    _closed_writer(path)
     _damage_shards(path)
     result = CliRunner().invoke(cli_app, ["verify-store", str(path), "--drop"])
     assert result.exit_code == 1, result.output
