@@ -9,13 +9,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from hsdump._protocol import ENV_DUMP_DIR
 
 __all__ = [
+    "FINAL_NORMS",
     "MIN_FREE_BYTES",
     "PARTIAL_TTL_S",
     "SPACE_TIMEOUT_S",
+    "FinalNorm",
     "PluginConfig",
     "allow_untested_sglang",
     "default_write_threads",
@@ -24,6 +27,9 @@ __all__ = [
 ]
 
 _MIB = 1 << 20
+FinalNorm = Literal["post_norm", "pre_norm"]
+#: The final-state conventions the plugin can dump (``HSDUMP_FINAL_NORM``).
+FINAL_NORMS: tuple[FinalNorm, ...] = ("post_norm", "pre_norm")
 _ALLOW_UNTESTED = "HSDUMP_ALLOW_UNTESTED_SGLANG"
 
 #: Free space the dump root's filesystem keeps.
@@ -43,6 +49,9 @@ class PluginConfig:
         layer_ids: Aux layers to capture in the transformers convention (``HSDUMP_LAYER_IDS``,
             comma-separated; id ``i`` is the input of decoder layer ``i``), or None for the
             model's EAGLE-3 default.
+        final_norm: The final state to dump (``HSDUMP_FINAL_NORM``): ``post_norm`` (default),
+            the lm_head input that SpecForge trains on, or ``pre_norm``, the residual stream
+            after the last decoder layer, which speculators normalises itself.
         pinned_bytes: Size of the pinned host staging buffer (``HSDUMP_PINNED_MB``, default 4096:
             one prefill batch of 8 prompts of 2048 tokens at H=7168 stages 940 MB).
         max_pending_bytes: Bound on bytes published but not yet consumed plus bytes being written
@@ -57,6 +66,7 @@ class PluginConfig:
 
     dump_dir: Path
     layer_ids: tuple[int, ...] | None = None
+    final_norm: FinalNorm = "post_norm"
     pinned_bytes: int = 4096 * _MIB
     max_pending_bytes: int = 16384 * _MIB
     write_threads: int = 2
@@ -83,6 +93,7 @@ def load_config() -> PluginConfig:
     return PluginConfig(
         dump_dir=Path(root),
         layer_ids=_layer_ids(os.environ.get("HSDUMP_LAYER_IDS", "")),
+        final_norm=_final_norm(os.environ.get("HSDUMP_FINAL_NORM", "")),
         pinned_bytes=_number("HSDUMP_PINNED_MB", 4096) * _MIB,
         max_pending_bytes=_number("HSDUMP_MAX_PENDING_MB", 16384) * _MIB,
         write_threads=_number("HSDUMP_WRITE_THREADS", default_write_threads()),
@@ -111,6 +122,18 @@ def _layer_ids(text: str) -> tuple[int, ...] | None:
             "(id i is the input of decoder layer i; 0, the embeddings, cannot be captured)"
         )
     return ids
+
+
+def _final_norm(text: str) -> FinalNorm:
+    value = text.strip() or "post_norm"
+    if value == "pre_norm":
+        return "pre_norm"
+    if value != "post_norm":
+        raise ValueError(
+            f"HSDUMP_FINAL_NORM={text!r} is neither post_norm (the lm_head input, for SpecForge) "
+            "nor pre_norm (the last decoder layer's output before the final norm, for speculators)"
+        )
+    return "post_norm"
 
 
 def _number(name: str, default: int) -> int:

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from hsdump._protocol import DumpMeta, DumpWriter, ProducerInfo, dtype_itemsize
-from sglang_patch._config import PluginConfig
+from sglang_patch._config import FinalNorm, PluginConfig
 from sglang_patch._ledger import Assembly, Ledger
 from sglang_patch._staging import Piece
 
@@ -54,6 +54,7 @@ class DumpFormat:
     producer: ProducerInfo
     model_path: str = ""
     rank: int = 0
+    final_norm: FinalNorm = "post_norm"
 
     @property
     def row_bytes(self) -> int:
@@ -286,7 +287,7 @@ class _Publisher:
             input_ids=list(assembly.input_ids),
             num_tokens=t,
             layer_ids=list(fmt.layer_ids),
-            final_norm="post_norm",
+            final_norm=fmt.final_norm,
             hidden_size=fmt.hidden_size,
             dtype=fmt.dtype,  # type: ignore[arg-type]
             aux_shape=(t, len(fmt.layer_ids), fmt.hidden_size),

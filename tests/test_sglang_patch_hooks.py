@@ -107,10 +107,19 @@ H, N = 8, 8
 for key, value in SCENARIO.get("parallel", {}).items():
     setattr(PARALLEL, key, value)
 
+class FusedNorm(torch.nn.Module):  # SGLang's RMSNorm given a residual: adds into it in place
+    def forward(self, x, residual=None):
+        if residual is None:
+            return x * 2
+        residual.add_(x)
+        return residual * 2, residual
+
 class Inner(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.layers_to_capture = []
+        if not SCENARIO.get("no_norm"):
+            self.norm = FusedNorm()
 
 class Model(torch.nn.Module):
     def __init__(self, deepseek):
@@ -157,8 +166,10 @@ def states(n, seed):
 def run(batch):
     total = sum(batch.extend_lens) + 2  # two padding rows
     aux_and_final = states(total, batch.seed)
+    half = aux_and_final[-1] / 2  # the last layer's output and residual: they sum to pre-norm
+    post_norm, _ = core.model.norm(half, half.clone()) if hasattr(core.model, "norm") else (half, 0)
     metadata = SimpleNamespace(capture_hidden_mode=CaptureHiddenMode.FULL)
-    return aux_and_final[-1], aux_and_final[:-1], metadata
+    return post_norm, aux_and_final[:-1], metadata
 
 class Req:
     def __init__(self, rid, n):
@@ -181,7 +192,8 @@ producers = Path(os.environ["HSDUMP_DUMP_DIR"], "_producers")
 print(json.dumps({
     "layers": layers,
     "width": list(result.logits_output.hidden_states.shape),
-    "a_final": expected[-1][:5].tolist(),
+    "a_final": (expected[-1][:5] * 2).tolist(),
+    "a_pre_norm": expected[-1][:5].tolist(),
     "c_aux": [e[8:12].tolist() for e in expected[:-1]],
     "manifests": [p.read_text() for p in producers.glob("*.json")],
 }))
@@ -238,8 +250,22 @@ def test_a_prefill_is_dumped_through_sglangs_hook_registry(tmp_path, hook_regist
     caps = manifest["capabilities"]
     assert caps["chunked_prefill_assembly"] and caps["prefix_cache_guard"] and caps["row_moments"]
     assert manifest["layer_ids"] == [2, 4, 5] and manifest["dtype"] == "float32"
+    assert manifest["final_norm"] == a.meta.final_norm == "post_norm"
     assert not list((dump / "_producers").iterdir())
     assert "hsdump: dump active on tp rank 0" in proc.stderr
+
+
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_the_pre_norm_final_state_is_dumped_when_asked(tmp_path, hook_registry_source, wrapped):
+    env = {"HSDUMP_FINAL_NORM": "pre_norm"}
+    proc, out, dump = run_server(tmp_path, hook_registry_source, {"wrapped": wrapped}, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a = read_dump(dump / "req_hsdump-a")
+    expected = np.array(out["a_pre_norm"], np.float32)
+    np.testing.assert_array_equal(a.final_hidden_state.numpy(), expected)
+    assert a.meta.final_norm == "pre_norm"
+    assert json.loads(out["manifests"][0])["final_norm"] == "pre_norm"
+    assert "+ final (pre_norm)" in proc.stderr
 
 
 def test_requested_layers_are_recorded_as_the_model_captures_them(tmp_path, hook_registry_source):
@@ -265,6 +291,8 @@ def test_only_attention_tp_rank_zero_writes(tmp_path, hook_registry_source) -> N
         ({}, "0.4.0", {}, "not a version this plugin was checked against"),
         ({}, "0.5.17", {"HSDUMP_LAYER_IDS": "2,9"}, "must lie in [1, 7]"),
         ({"parallel": {"pp_size": 2}}, "0.5.17", {}, "--pp-size 1"),
+        ({}, "0.5.17", {"HSDUMP_FINAL_NORM": "prenorm"}, "HSDUMP_FINAL_NORM='prenorm' is neither"),
+        ({"no_norm": True}, "0.5.17", {"HSDUMP_FINAL_NORM": "pre_norm"}, "has no final norm"),
     ],
 )
 def test_a_server_that_cannot_dump_fails_at_start_up(
