@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import inspect
 import json
 import logging
 import os
@@ -47,7 +48,7 @@ app = typer.Typer(
     name="hsdump",
     help="Extract verified hidden states from an inference server into a compressed Zarr store.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
@@ -72,18 +73,24 @@ def _options(
     """Extract verified hidden states from an inference server into a compressed Zarr store."""
 
 
-EXTRACT_HELP = """Extract every sample of a JSONL DATASET into the store OUT.
+def _reflow(text: str) -> str:
+    """Help text as rich prints it: a paragraph's lines joined (the terminal wraps them), a block
+    with indented lines (examples) kept line for line."""
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(p if "\n " in p else p.replace("\n", " ") for p in paragraphs)
+
+
+EXTRACT_HELP = _reflow("""Extract every sample of a JSONL DATASET into the store OUT.
 
 Each line is {"id": ..., "input_ids": [...], "loss_mask": [...]} ("text" or chat "messages"
 with --tokenizer). A rerun skips the samples already stored; failures are recorded in
 OUT.failures.jsonl.
 
-\b
 Examples:
-  hsdump extract bundled --out sample.zarr                  # built-in model, bundled data
-  hsdump extract data.jsonl --out hs.zarr --server-url http://127.0.0.1:30000 \\
-      --dump-dir /dev/shm/hsdump --concurrency 8            # a real SGLang server
-"""
+  hsdump extract bundled --out sample.zarr    # bundled data, built-in model
+  hsdump extract data.jsonl --out hs.zarr --concurrency 8 \\
+      --server-url http://127.0.0.1:30000 --dump-dir /dev/shm/hsdump
+""")
 
 
 def _data_path(dataset: str) -> Path:
@@ -395,56 +402,47 @@ def default_workers() -> int:
     return max(1, min(8, (os.cpu_count() or 1) // 8))
 
 
+_INPUT, _SERVER, _RUN, _STORE, _OUTPUT = "Input", "Server", "Run", "Store", "Output"
+
+
 @app.command(help=EXTRACT_HELP)
 def extract(
-    dataset: Annotated[str, typer.Argument(help="JSONL dataset, or 'bundled' for the sample.")],
-    out: Annotated[
+    dataset: Annotated[
         str,
-        typer.Option("--out", "-o", help="The Zarr store to write (resumed): a path or s3:// URL."),
+        typer.Argument(metavar="DATASET", help="JSONL dataset, or 'bundled' for the sample."),
     ],
-    server_url: Annotated[
-        str | None, typer.Option(help="A running server; none: start the reference server.")
-    ] = None,
-    dump_dir: Annotated[
-        Path | None, typer.Option(help="The server's dump root (HSDUMP_DUMP_DIR).")
-    ] = None,
-    model: Annotated[
-        Path | None, typer.Option(help="Model directory for the embedded reference server.")
-    ] = None,
-    concurrency: Annotated[int, typer.Option(min=1, help="Requests at the server at once.")] = 1,
-    workers: Annotated[
-        int,
-        typer.Option(
-            min=0,
-            help="Processes that check and store dumps, each into its own store part "
-            "(0: one per eight cores, 1 to 8; 1: this process only).",
-        ),
-    ] = 0,
-    retries: Annotated[int, typer.Option(min=0, help="Retries of a transient failure.")] = 3,
-    fail_fast: Annotated[bool, typer.Option(help="Stop at the first failure.")] = False,
+    *,  # the options in the order of their panels
     tokenizer: Annotated[
-        Path | None, typer.Option(help="Local tokenizer directory for 'text'/'messages' lines.")
+        Path | None,
+        typer.Option(
+            help="Local tokenizer directory for 'text'/'messages' lines.", rich_help_panel=_INPUT
+        ),
     ] = None,
-    request_timeout: Annotated[
-        float, typer.Option(min=0.001, help="Seconds to wait for the server's HTTP response.")
-    ] = 600.0,
-    dump_timeout: Annotated[float, typer.Option(help="Seconds to wait for a dump.")] = 60.0,
-    watcher: Annotated[
-        Literal["inotify", "poll", "watchfiles"] | None,
-        typer.Option(help="How to wait for dumps (default: HSDUMP_WATCHER, else inotify)."),
-    ] = None,
-    shard_tokens: Annotated[
-        int | None, typer.Option(help="Tokens per store shard (store default when unset).")
-    ] = None,
-    log_every: Annotated[
-        float,
-        typer.Option(min=0, help="Seconds between progress lines when stderr is not a terminal."),
-    ] = 30.0,
     shard: Annotated[
         str | None,
         typer.Option(
-            help="I/N: extract only the samples of shard I of N (by a hash of each sample id), "
-            "for one job of a Slurm array, torchrun or Kubernetes job."
+            metavar="I/N",
+            help="Extract only the samples of shard I of N (by a hash of each sample id), for "
+            "one job of a Slurm array, torchrun or Kubernetes job.",
+            rich_help_panel=_INPUT,
+        ),
+    ] = None,
+    server_url: Annotated[
+        str | None,
+        typer.Option(
+            help="A running server; none: start the reference server.", rich_help_panel=_SERVER
+        ),
+    ] = None,
+    dump_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="The server's dump root (default: HSDUMP_DUMP_DIR).", rich_help_panel=_SERVER
+        ),
+    ] = None,
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            help="Model directory for the embedded reference server.", rich_help_panel=_SERVER
         ),
     ] = None,
     servers: Annotated[
@@ -454,28 +452,117 @@ def extract(
             help='A JSON file listing servers, [{"url": ..., "dump_dir": ...}, ...] ("node": ... '
             "for --ray): the dataset is spread over them (--workers workers and --concurrency "
             "requests each).",
+            rich_help_panel=_SERVER,
         ),
     ] = None,
-    writer_id: Annotated[
-        str | None,
+    request_timeout: Annotated[
+        float,
         typer.Option(
-            help="This run's store part (default: 'default', or shardIofN with --shard); "
-            "concurrent runs into one store need distinct ones."
+            min=0.001,
+            metavar="SECONDS",
+            help="Seconds to wait for the server's HTTP response.",
+            rich_help_panel=_SERVER,
+        ),
+    ] = 600.0,
+    dump_timeout: Annotated[
+        float,
+        typer.Option(
+            metavar="SECONDS", help="Seconds to wait for a dump.", rich_help_panel=_SERVER
+        ),
+    ] = 60.0,
+    watcher: Annotated[
+        Literal["inotify", "poll", "watchfiles"] | None,
+        typer.Option(
+            metavar="NAME",
+            help="How to wait for dumps: inotify, poll or watchfiles (default: HSDUMP_WATCHER, "
+            "else inotify).",
+            rich_help_panel=_SERVER,
         ),
     ] = None,
+    concurrency: Annotated[
+        int, typer.Option(min=1, help="Requests at the server at once.", rich_help_panel=_RUN)
+    ] = 1,
+    workers: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Processes that check and store dumps, each into its own store part "
+            "(0: one per eight cores, 1 to 8; 1: this process only).",
+            rich_help_panel=_RUN,
+        ),
+    ] = 0,
+    retries: Annotated[
+        int, typer.Option(min=0, help="Retries of a transient failure.", rich_help_panel=_RUN)
+    ] = 3,
+    fail_fast: Annotated[
+        bool, typer.Option("--fail-fast", help="Stop at the first failure.", rich_help_panel=_RUN)
+    ] = False,
     ray: Annotated[
         bool,
         typer.Option(
             "--ray",
             help="Run one extraction actor per server of --servers on a Ray cluster, on the "
-            'server\'s "node" (pip install hsdump[ray]).',
+            'server\'s "node" (pip install hsdump\\[ray]).',
+            rich_help_panel=_RUN,
         ),
     ] = False,
     ray_address: Annotated[
         str | None,
-        typer.Option(help="The Ray cluster (default: RAY_ADDRESS, else the one on this node)."),
+        typer.Option(
+            help="The Ray cluster (default: RAY_ADDRESS, else the one on this node).",
+            rich_help_panel=_RUN,
+        ),
     ] = None,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log each sample.")] = False,
+    out: Annotated[
+        str,
+        typer.Option(
+            "--out",
+            "-o",
+            help="The Zarr store to write (resumed): a path or s3:// URL.",
+            rich_help_panel=_STORE,
+        ),
+    ],
+    writer_id: Annotated[
+        str | None,
+        typer.Option(
+            help="This run's store part (default: 'default', or shardIofN with --shard); "
+            "concurrent runs into one store need distinct ones.",
+            rich_help_panel=_STORE,
+        ),
+    ] = None,
+    shard_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help="Tokens per store shard (store default when unset).", rich_help_panel=_STORE
+        ),
+    ] = None,
+    log_every: Annotated[
+        float,
+        typer.Option(
+            min=0,
+            metavar="SECONDS",
+            help="Most seconds between progress lines when stderr is not a terminal (a line "
+            "also at every tenth of the run).",
+            rich_help_panel=_OUTPUT,
+        ),
+    ] = 30.0,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            "-v",
+            help="Log each sample; the summary adds where the time went.",
+            rich_help_panel=_OUTPUT,
+        ),
+    ] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Print the summary as one JSON object on stdout.",
+            rich_help_panel=_OUTPUT,
+        ),
+    ] = False,
 ) -> None:
     """Extract a dataset into a store (see EXTRACT_HELP)."""
     from hsdump._run.inputs import Shard
@@ -596,10 +683,11 @@ def serve_reference(
 ) -> None:
     """Serve a transformers model with SGLang's API, dumping hidden states like SGLang + hsdump.
 
-    \b
     Examples:
       hsdump serve-reference --dump-dir /dev/shm/hsdump --port 30000
       hsdump serve-reference --model ./my-llama --layer-ids 1,8,13
+
+    Ctrl-C or SIGTERM stops it.
     """
     from hsdump._exceptions import ConfigError
 
@@ -640,7 +728,10 @@ def _block_stop_signals() -> set[signal.Signals]:
 
 @app.command("verify-store")
 def verify_store(
-    store: Annotated[str, typer.Argument(help="The Zarr store to check (a path or s3:// URL).")],
+    store: Annotated[
+        str,
+        typer.Argument(metavar="STORE", help="The Zarr store to check (a path or s3:// URL)."),
+    ],
     drop: Annotated[
         bool,
         typer.Option(
@@ -650,10 +741,11 @@ def verify_store(
 ) -> None:
     """Re-read every committed sample and compare its checksum.
 
-    \b
     Example:
       hsdump verify-store hs.zarr
       hsdump verify-store hs.zarr --drop     # then rerun hsdump extract
+
+    Exit code 0 when every sample is intact, 1 when one is corrupted or duplicated.
     """
 
     def job() -> int:
@@ -677,7 +769,8 @@ def verify_store(
     _run_guarded(job)
 
 
-VERIFY_HELP = """Recompute K random samples of STORE with MODEL_DIR and judge each stored layer.
+VERIFY_HELP = _reflow(
+    """Recompute K random samples of STORE with MODEL_DIR and judge each stored layer.
 
 For each stored layer (the aux layers by transformers' hidden_states index, then the final state,
 post- or pre-norm as the store records) the stored difference is max |stored - fp32| / max |fp32|
@@ -687,10 +780,10 @@ most 1.5 x the noise floor + 0.001: zero states, a layer offset, another model o
 prefill are far above it. Exit code 0 when every layer passes, 1 when one fails, 2 when the check
 could not run (no model, no store, a model that does not fit the store).
 
-\b
 Example:
   hsdump verify hs.zarr --against ./my-llama --samples 8
 """
+)
 
 
 @app.command("verify", help=VERIFY_HELP)
@@ -738,12 +831,15 @@ def verify_model(
 
 
 @app.command()
-def stats(store: Annotated[str, typer.Argument(help="The Zarr store to summarise.")]) -> None:
+def stats(
+    store: Annotated[str, typer.Argument(metavar="STORE", help="The Zarr store to summarise.")],
+) -> None:
     """The store's provenance, then a per-layer summary: count, mean, std, max |x|, non-finite.
 
-    \b
     Example:
       hsdump stats hs.zarr
+
+    Exit code 1 when a layer holds non-finite values.
     """
 
     def job() -> int:
@@ -789,10 +885,11 @@ def export(
 ) -> None:
     """Write a store's samples as the files a drafter trainer reads; a rerun resumes.
 
-    \b
     Examples:
-      hsdump export hs.zarr sf-data --format specforge      # SpecForge --hidden-states-path
-      hsdump export hs.zarr sp-data --format speculators    # speculators --data-path
+      hsdump export hs.zarr sf-data --format specforge     # for SpecForge
+      hsdump export hs.zarr sp-data --format speculators   # for speculators
+
+    It ends by naming the layer ids to train with.
     """
 
     def job() -> int:

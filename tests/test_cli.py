@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from hsdump import DumpMeta, PollingWatcher, ProducerInfo, __version__, open_store
@@ -199,6 +200,50 @@ def test_help_lists_the_subcommands_and_their_examples():
     for command in ("extract", "serve-reference", "verify-store", "stats"):
         assert command in result.output
     assert "hsdump extract bundled --out" in runner.invoke(cli_app, ["extract", "--help"]).output
+
+
+def _help_at_80_columns(*command):
+    result = runner.invoke(cli_app, [*command, "--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+@pytest.mark.parametrize("name", ["", *sorted(typer.main.get_command(cli_app).commands)])
+def test_help_at_80_columns_piped_shows_every_option_whole(name):
+    command = typer.main.get_command(cli_app)
+    if name:
+        command = command.commands[name]
+    said = _help_at_80_columns(*filter(None, [name]))
+    assert "…" not in said and "\\b" not in said
+    assert all(len(line) <= 80 for line in said.splitlines())
+    for param in command.params:
+        for opt in [*param.opts, *param.secondary_opts]:
+            if opt.startswith("--"):
+                assert re.search(rf"{opt}(?![\w-])", said), f"{opt} not whole in {name} --help"
+    if name:  # the usage names the arguments as the help does
+        usage = said.split("Usage:", 1)[1].splitlines()[0]
+        labels = re.findall(r"[{\[](\w+)[}\]]", usage)
+        assert all(label.isupper() for label in labels if label != "OPTIONS"), usage
+
+
+def test_extract_help_groups_its_options_in_panels():
+    said = _help_at_80_columns("extract")
+    panels = re.findall(r"^╭─ (\w+) ─", said, re.M)
+    assert panels == ["Arguments", "Options", "Input", "Server", "Run", "Store", "Output"]
+    server = said.split("╭─ Server", 1)[1].split("╰", 1)[0]
+    assert "--request-timeout" in server and "--dump-dir" in server
+    assert "(pip install hsdump[ray])" in " ".join(said.replace("│", " ").split())
+
+
+def test_shell_completion_completes_commands_and_choices():
+    def complete(words):
+        cword = str(len(words.split(" ")) - 1)
+        env = {"_HSDUMP_COMPLETE": "complete_bash", "COMP_WORDS": words, "COMP_CWORD": cword}
+        return runner.invoke(cli_app, [], prog_name="hsdump", env=env).output.split()
+
+    assert complete("hsdump ext") == ["extract"]
+    assert complete("hsdump extract --watcher ") == ["inotify", "poll", "watchfiles"]
+    assert "--install-completion" in _help_at_80_columns()
 
 
 def test_verify_store_and_stats_report_a_clean_store(model_dir, tmp_path):
