@@ -9,9 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
-from hsdump._protocol import ENV_DUMP_DIR
+from hsdump._protocol import ENV_DUMP_DIR, FinalNorm
 
 __all__ = [
     "FINAL_NORMS",
@@ -27,7 +26,6 @@ __all__ = [
 ]
 
 _MIB = 1 << 20
-FinalNorm = Literal["post_norm", "pre_norm"]
 #: The final-state conventions the plugin can dump (``HSDUMP_FINAL_NORM``).
 FINAL_NORMS: tuple[FinalNorm, ...] = ("post_norm", "pre_norm")
 _ALLOW_UNTESTED = "HSDUMP_ALLOW_UNTESTED_SGLANG"

@@ -62,6 +62,32 @@ def test_dump_holds_hidden_states_of_the_requested_layers_and_the_post_norm_fina
     torch.testing.assert_close(final, expected[-1][0], atol=1e-2, rtol=1e-2)
 
 
+def test_a_pre_norm_server_dumps_the_final_norms_input(model, tmp_path):
+    ids = [5, 17, 300, 42, 8, 99, 1, 0, 511]
+    seen = []  # the input of the final norm, taken by a hook of the test's own
+    hook = model.model.norm.register_forward_hook(lambda _m, args, _o: seen.append(args[0][0]))
+    try:
+        with torch.no_grad():
+            post_norm = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+    finally:
+        hook.remove()
+    rid = f"hsdump-{uuid.uuid4().hex}"
+    dumps = tmp_path / "dumps"
+    with ReferenceServer(model, dump_dir=dumps, device="cpu", final_norm="pre_norm") as server:
+        assert _generate(server, ids, rid).status_code == 200
+        manifest = json.loads(next((dumps / "_producers").glob("*.json")).read_text())
+    dump = read_dump(request_dir(dumps, rid))
+    assert dump.meta is not None and dump.meta.final_norm == manifest["final_norm"] == "pre_norm"
+    final = dump.final_hidden_state.float()
+    torch.testing.assert_close(final, seen[0], atol=1e-2, rtol=1e-2)
+    assert not torch.allclose(final, post_norm, atol=1e-2, rtol=1e-2)
+
+
+def test_the_built_in_models_final_norm_is_not_all_ones():
+    weight = build_default_model(seed=1, **TINY).model.norm.weight.detach()
+    assert not torch.all(weight == 1) and float(weight.min()) >= 0.5
+
+
 def test_each_aux_layer_differs_from_its_neighbours_beyond_bf16_rounding(model, server):
     ids = list(range(1, 40))
     rid = f"hsdump-{uuid.uuid4().hex}"

@@ -39,6 +39,7 @@ from hsdump._protocol._models import (
     Capabilities,
     DumpErrorInfo,
     DumpMeta,
+    FinalNorm,
     ProducerInfo,
     ProducerManifest,
 )
@@ -106,6 +107,7 @@ __all__ = [
     "DumpErrorInfo",
     "DumpMeta",
     "DumpWriter",
+    "FinalNorm",
     "ProducerInfo",
     "ProducerManifest",
     "check_file_size",

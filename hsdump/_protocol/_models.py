@@ -11,6 +11,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hsdump._protocol._names import DEFAULT_RID_PREFIX, DType
 
+#: The final state's convention: the lm_head input (``post_norm``) or the final norm's input.
+FinalNorm = Literal["post_norm", "pre_norm"]
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -53,7 +56,7 @@ class DumpMeta(_Model):
     num_tokens: int
     layer_ids: list[int]
     layer_convention: Literal["hidden_states_index"] = "hidden_states_index"
-    final_norm: Literal["post_norm", "pre_norm"]
+    final_norm: FinalNorm
     hidden_size: int
     dtype: DType
     aux_shape: tuple[int, int, int]
@@ -99,7 +102,7 @@ class ProducerManifest(_Model):
     rank: int = 0
     rid_prefix: str = DEFAULT_RID_PREFIX
     layer_ids: list[int]
-    final_norm: Literal["post_norm", "pre_norm"]
+    final_norm: FinalNorm
     hidden_size: int
     dtype: DType
     model_path: str = ""

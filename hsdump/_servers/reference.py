@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio.to_thread
 
@@ -24,6 +24,7 @@ from hsdump._protocol import (
     Capabilities,
     DType,
     DumpMeta,
+    FinalNorm,
     ProducerInfo,
     ProducerManifest,
     default_dump_dir,
@@ -81,6 +82,10 @@ def _version() -> str:
 def build_default_model(seed: int = DEFAULT_SEED, **overrides: Any) -> PreTrainedModel:
     """A small random Llama built from a config with a fixed seed (no download).
 
+    Its final norm's weights are drawn from [0.5, 1.5), not left all ones as transformers
+    initialises them, so that the pre-norm and post-norm final states differ as in a trained
+    model.
+
     Args:
         seed: The torch seed used to initialise the weights; equal seeds give equal weights.
         **overrides: ``LlamaConfig`` fields replacing those of `DEFAULT_CONFIG`.
@@ -90,7 +95,11 @@ def build_default_model(seed: int = DEFAULT_SEED, **overrides: Any) -> PreTraine
 
     config = LlamaConfig(**{**DEFAULT_CONFIG, **overrides})
     torch.manual_seed(seed)
-    return inference_model(LlamaForCausalLM(config))
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        norm = model.model.norm.weight
+        norm.copy_(0.5 + torch.rand(norm.shape, generator=torch.Generator().manual_seed(seed)))
+    return inference_model(model)
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -103,7 +112,7 @@ def capture_states(
     model: PreTrainedModel,
     ids: list[int],
     layer_ids: list[int],
-    final_norm: Literal["post_norm", "pre_norm"] = "post_norm",
+    final_norm: FinalNorm = "post_norm",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The states SGLang dumps for one prompt, in the model's dtype and on its device.
 
@@ -170,6 +179,8 @@ class ReferenceEngine:
         layer_ids: Aux layer ids (``hidden_states`` indices); SGLang's default when None.
         model_path: What to report as the model path.
         dtype: The protocol dtype the states are dumped in (bf16, as SGLang serves models).
+        final_norm: The final state dumped: ``post_norm``, the lm_head input, or ``pre_norm``,
+            the final norm's input (as the SGLang plugin's ``HSDUMP_FINAL_NORM``).
     """
 
     def __init__(
@@ -180,6 +191,7 @@ class ReferenceEngine:
         layer_ids: list[int] | None = None,
         model_path: str = "",
         dtype: DType = "bfloat16",
+        final_norm: FinalNorm = "post_norm",
     ):
         config = model.config
         self.model = model
@@ -190,6 +202,7 @@ class ReferenceEngine:
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 4096)
         self.layer_ids = self._check_layers(layer_ids)
         self.model_path = model_path
+        self.final_norm: FinalNorm = final_norm
         self.dtype = dtype_spec(dtype)
         self.producer = ProducerInfo(name=PRODUCER_NAME, version=_version())
         self._lock = threading.Lock()  # one forward pass at a time, as one GPU would run them
@@ -211,7 +224,7 @@ class ReferenceEngine:
         return ProducerManifest(
             producer=self.producer,
             layer_ids=self.layer_ids,
-            final_norm="post_norm",
+            final_norm=self.final_norm,
             hidden_size=self.hidden_size,
             dtype=self.dtype.name,
             model_path=self.model_path,
@@ -302,7 +315,7 @@ class ReferenceEngine:
             return self._decode(ids, max_new_tokens)
 
     def _capture(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        aux, final = capture_states(self.model, ids, self.layer_ids)
+        aux, final = capture_states(self.model, ids, self.layer_ids, self.final_norm)
         dtype = self.dtype.torch_dtype()
         return aux.to(dtype).cpu(), final.to(dtype).cpu()
 
@@ -312,7 +325,7 @@ class ReferenceEngine:
             input_ids=ids,
             num_tokens=len(ids),
             layer_ids=self.layer_ids,
-            final_norm="post_norm",
+            final_norm=self.final_norm,
             hidden_size=self.hidden_size,
             dtype=self.dtype.name,
             aux_shape=(len(ids), len(self.layer_ids), self.hidden_size),
@@ -354,6 +367,8 @@ class ReferenceServer:
         layer_ids: Aux layer ids (``hidden_states`` indices); SGLang's default when None.
         device: ``"cpu"``, ``"cuda"``...; a GPU when one is present, else the CPU.
         dtype: The protocol dtype the states are dumped in.
+        final_norm: ``post_norm`` (the lm_head input, for SpecForge) or ``pre_norm`` (the
+            final norm's input, for speculators).
     """
 
     def __init__(
@@ -366,6 +381,7 @@ class ReferenceServer:
         layer_ids: list[int] | None = None,
         device: str | None = None,
         dtype: DType = "bfloat16",
+        final_norm: FinalNorm = "post_norm",
     ):
         self.dump_dir = Path(dump_dir) if dump_dir is not None else default_dump_dir()
         self.device = device or default_device()
@@ -375,6 +391,7 @@ class ReferenceServer:
             layer_ids=layer_ids,
             model_path=self._model_path(model),
             dtype=dtype,
+            final_norm=final_norm,
         )
         self._http = SGLangCompatibleServer(self.engine, host=host, port=port)
         self._manifest_path: Path | None = None
