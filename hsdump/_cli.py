@@ -780,8 +780,9 @@ most 1.5 x the noise floor + 0.001: zero states, a layer offset, another model o
 prefill are far above it. Exit code 0 when every layer passes, 1 when one fails, 2 when the check
 could not run (no model, no store, a model that does not fit the store).
 
-Example:
+Examples:
   hsdump verify hs.zarr --against ./my-llama --samples 8
+  hsdump verify sample.zarr --against builtin   # the reference server's model
 """
 )
 
@@ -790,7 +791,11 @@ Example:
 def verify_model(
     store: Annotated[str, typer.Argument(metavar="STORE", help="The Zarr store to check.")],
     against: Annotated[
-        Path, typer.Option(metavar="MODEL_DIR", help="Local transformers model the server ran.")
+        str,
+        typer.Option(
+            metavar="MODEL_DIR",
+            help="The model the server ran: a local transformers model directory, or builtin.",
+        ),
     ],
     samples: Annotated[int, typer.Option(min=1, help="Samples to recompute.")] = 4,
     seed: Annotated[int, typer.Option(help="Seeds the choice of samples.")] = 0,

@@ -60,6 +60,12 @@ def store(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def builtin_store(tmp_path_factory):
+    """A store from the reference server's built-in model, as `hsdump extract` makes one."""
+    return _store_of(None, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
 def other_store(tmp_path_factory):
     """The same architecture and tokens, other weights."""
     return _store_of(build_default_model(seed=12, **TINY), tmp_path_factory)
@@ -129,6 +135,23 @@ def test_a_missing_model_directory_is_exit_2_naming_it(store, tmp_path):
     text = result.output.replace("\n", "")
     assert text.startswith("error: cannot verify against") and str(missing) in text
     assert "no such directory" in text and "Traceback" not in text
+    assert "or builtin for the reference server's built-in model" in text
+
+
+def test_builtin_names_the_reference_servers_model(builtin_store, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # an empty directory: "builtin" is no path
+    result = _verify(builtin_store, "builtin")
+    assert result.exit_code == 0, result.output
+    assert "loading the built-in model on cpu" in result.output
+    assert set(_verdicts(result.output).values()) == {"pass"}
+
+
+def test_builtin_against_a_store_of_another_model_fails(other_store):
+    result = _verify(other_store, "builtin")
+    assert result.exit_code == 2, result.output
+    text = result.output.replace("\n", "")
+    assert "the built-in model does not fit the store" in text
+    assert "hidden size 64 stored, 256 in the model" in text
 
 
 def test_a_model_of_another_hidden_size_is_exit_2(store, tmp_path):

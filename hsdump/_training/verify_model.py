@@ -39,6 +39,8 @@ DEFAULT_SAMPLES = 4
 DEFAULT_FACTOR = 1.5
 #: ...plus this much: the floor of an embedding layer is bf16 rounding alone, or zero.
 DEFAULT_EPSILON = 1e-3
+#: Names the reference server's built-in model, rebuilt from its config and seed.
+BUILTIN = "builtin"
 
 FinalNorm = Literal["post_norm", "pre_norm"]
 
@@ -109,7 +111,8 @@ def verify_against_model(
 
     Args:
         store: The store (a path or anything `hsdump.open_store` takes).
-        model: A local transformers model directory: the model the server ran.
+        model: The model the server ran: a local transformers model directory, or ``"builtin"``
+            for the reference server's built-in model (`hsdump.testing.build_default_model`).
         samples: How many committed samples to recompute (all of them when fewer).
         seed: Seeds the choice of samples.
         device: ``"cpu"`` or ``"cuda"``; a GPU when one is present, else the CPU.
@@ -127,7 +130,7 @@ def verify_against_model(
     if samples < 1:
         raise ConfigError(f"samples must be at least 1, got {samples}")
     say = progress or (lambda _line: None)
-    model_dir = _check_model_dir(model)
+    model_dir = _check_model(model)
     with open_store(store, "r") as opened:
         where, prov = opened.where, opened.provenance
         ids = sorted(opened)
@@ -137,7 +140,7 @@ def verify_against_model(
         stored = [opened.get(sid, verify=True) for sid in chosen]
     final_norm = _final_norm(prov, where)
     device = _pick_device(device)
-    say(f"loading {model_dir} on {device}")
+    say(f"loading {_name(model_dir)} on {device}")
     lm = _load_fp32(model_dir, device)
     _check_fits(lm, prov, stored, where, model_dir)
     layers = [f"hidden_states[{i}]" for i in prov.layer_ids] + [f"final ({final_norm})"]
@@ -161,15 +164,23 @@ def verify_against_model(
     )
 
 
-def _check_model_dir(model: str | os.PathLike[str]) -> Path:
+def _check_model(model: str | os.PathLike[str]) -> Path | None:
+    """The model's directory, or None for the built-in model."""
+    if isinstance(model, str) and model == BUILTIN:
+        return None
     path = Path(model)
     if not (path / "config.json").is_file():
         found = "no such directory" if not path.exists() else "no config.json in it"
         raise ConfigError(
             f"cannot verify against {os.fspath(path)!r}: {found}. Pass --against the local "
-            "transformers model directory the server ran (config.json and weights)"
+            "transformers model directory the server ran (config.json and weights), or "
+            f"{BUILTIN} for the reference server's built-in model"
         )
     return path
+
+
+def _name(model_dir: Path | None) -> str:
+    return "the built-in model" if model_dir is None else f"the model at {model_dir}"
 
 
 def _final_norm(prov: Provenance, where: str) -> FinalNorm:
@@ -194,16 +205,22 @@ def _pick_device(device: str | None) -> str:
     return device
 
 
-def _load_fp32(model_dir: Path, device: str) -> PreTrainedModel:
+def _load_fp32(model_dir: Path | None, device: str) -> PreTrainedModel:
     import torch
 
-    from hsdump._servers.reference import inference_model, load_model
+    from hsdump._servers.reference import build_default_model, inference_model, load_model
 
+    if model_dir is None:
+        return inference_model(cast("Any", build_default_model()).float(), device)
     return inference_model(load_model(model_dir, device, torch.float32), device)
 
 
 def _check_fits(
-    lm: PreTrainedModel, prov: Provenance, stored: list[HiddenStates], where: str, model_dir: Path
+    lm: PreTrainedModel,
+    prov: Provenance,
+    stored: list[HiddenStates],
+    where: str,
+    model_dir: Path | None,
 ) -> None:
     """Refuse a model that cannot have produced the store, before any forward pass."""
     config = lm.config
@@ -219,7 +236,7 @@ def _check_fits(
             break
     if problems:
         raise ConfigError(
-            f"the model at {model_dir} does not fit the store at {where}: "
+            f"{_name(model_dir)} does not fit the store at {where}: "
             f"{'; '.join(problems)}. Pass --against the model the server ran"
         )
 
