@@ -6,6 +6,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,6 +23,7 @@ class GpuServer:
         out: where the JSON records go (run.sh's ``$OUT``).
         radix: whether the server's radix cache is on.
         layers: the aux layer ids the stage configured, or None for the model's default.
+        final_norm: the final state the server dumps (``HSDUMP_FINAL_NORM``, default post_norm).
     """
 
     stage: str
@@ -31,6 +33,7 @@ class GpuServer:
     out: Path
     radix: bool
     layers: list[int] | None
+    final_norm: str = "post_norm"
 
     @classmethod
     def from_env(cls) -> GpuServer | None:
@@ -51,12 +54,37 @@ class GpuServer:
             out=Path(os.environ.get("OUT", "/tmp/out")),
             radix=os.environ.get("GPU_CHECK_RADIX") == "1",
             layers=[int(x) for x in layers.split(",")] if layers else None,
+            final_norm=os.environ.get("HSDUMP_FINAL_NORM") or "post_norm",
         )
 
     def record(self, kind: str, result: dict[str, object]) -> None:
         """Write ``result`` as ``$OUT/<kind>_<stage>.json``, the run's record of a check."""
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / f"{kind}_{self.stage}.json").write_text(json.dumps(result, indent=1))
+
+
+def reference_forward(
+    model: Any, ids: list[int]
+) -> tuple[tuple[torch.Tensor, ...], dict[str, Any]]:
+    """transformers' ``hidden_states`` for one prompt, and both final states.
+
+    Returns:
+        ``hidden_states`` (each ``[1, T, H]``) and ``{"post_norm": [T, H], "pre_norm": [T, H]}``:
+        the lm_head input, and the final norm's input taken by a hook on ``model.model.norm``.
+    """
+    seen: list[torch.Tensor] = []
+    hook = model.model.norm.register_forward_hook(lambda _m, args, _o: seen.append(args[0]))
+    try:
+        with torch.no_grad():
+            hidden = model(torch.tensor([ids]).cuda(), output_hidden_states=True).hidden_states
+    finally:
+        hook.remove()
+    return hidden, {"post_norm": hidden[-1][0], "pre_norm": seen[0][0]}
+
+
+def other_norm(final_norm: str) -> str:
+    """The convention the server was not asked for: a final state matching it is a mix-up."""
+    return "pre_norm" if final_norm == "post_norm" else "post_norm"
 
 
 @dataclass

@@ -21,6 +21,14 @@
 #                measures server alone, dump-only, store alone and hsdump extract at 1/8/32 in flight
 #                (KIMI_ARGS passes it options; KIMI_HUGE=1 puts the dumps and the memory store on a
 #                tmpfs mounted with huge=within_size at /mnt/hsdump-huge instead of /dev/shm; needs root)
+#   pre_llama    tiny_b's server with HSDUMP_FINAL_NORM=pre_norm (the final norm's input); its store
+#                comes back as $OUT/store_pre_llama.tar.part-*
+#   pre_deepseek Kimi-K2.5's language model shape (DeepSeek-V3: MLA, 384 experts), pre_norm, CUDA
+#                graphs and radix cache on, chunks of 256: tests/gpu/test_tiny.py
+#   kimi25       the same weights as SGLang's KimiK25ForConditionalGeneration (MoonViT wrapper),
+#                multimodal off (tests/gpu/launch_text_only.py), pre_norm (KIMI25_NORM): test_tiny.py
+#   startup      the kimi server: benchmarks/bench_startup.py (launch to first commit, last commit
+#                to exit; STARTUP_ARGS passes it options)
 #   e2e          the kimi server: benchmarks/gpu_e2e.py times hsdump extract from launch until a sync
 #                after it returns, against the server alone and the disk's rate; E2E_BASELINE names
 #                a directory holding another build's source (its hsdump is run alternately)
@@ -67,6 +75,10 @@ memory_root() {  # sets MEM: /dev/shm, or with KIMI_HUGE=1 a tmpfs with huge pag
     || { echo "could not mount a tmpfs with huge pages at $MEM (needs root)"; return 1; }
 }
 
+keep_store() {  # stage: its checks' store, as tar parts small enough to come back from $OUT
+  tar -C "/tmp/work_$1" -cf - store | split -b 15M - "$OUT/store_$1.tar.part-"
+}
+
 stop_server() {
   kill $SP 2> /dev/null; wait $SP 2> /dev/null
   sleep 2
@@ -79,13 +91,22 @@ checks() {  # the GPU checks (tests/gpu/test_*.py, or the files given) against t
 
 tiny() {  # name, expected layers, launcher module, server args...
   local name=$1 layers=$2 module=$3; shift 3
-  [ -d /tmp/tiny ] || python3 .gpu/make_tiny_llama.py /tmp/tiny > /dev/null
-  start_server "$name" "$module" --model-path /tmp/tiny --mem-fraction-static 0.2 \
+  make_model llama /tmp/tiny
+  served "$name" "$layers" /tmp/tiny /tmp/tiny "$module" --mem-fraction-static 0.2 "$@"
+}
+
+make_model() {  # kind, directory[, source]: tests/gpu/make_model.py, once
+  [ -d "$2" ] || python3 tests/gpu/make_model.py "$@" > /dev/null || exit 1
+}
+
+served() {  # name, expected layers (or ""), served model, transformers model, launcher, server args...
+  local name=$1 layers=$2 model=$3 reference=$4 module=$5; shift 5
+  start_server "$name" "$module" --model-path "$model" \
     --enable-return-hidden-states --chunked-prefill-size 256 "$@" || { status=1; return; }
   curl -s $URL/server_info > "$OUT/server_info_$name.json"
   local radix=0; [[ " $* " == *" --disable-radix-cache "* ]] || radix=1
-  GPU_CHECK_URL=$URL GPU_CHECK_STAGE=$name GPU_CHECK_MODEL=/tmp/tiny GPU_CHECK_LAYERS=$layers \
-    GPU_CHECK_RADIX=$radix checks > "$OUT/check_$name.log" 2>&1 || status=1
+  GPU_CHECK_URL=$URL GPU_CHECK_STAGE=$name GPU_CHECK_MODEL=$reference GPU_CHECK_LAYERS=$layers \
+    GPU_CHECK_RADIX=$radix checks ${CHECKS:-} > "$OUT/check_$name.log" 2>&1 || status=1
   tail -40 "$OUT/check_$name.log"
   ls -la "$HSDUMP_DUMP_DIR" "$HSDUMP_DUMP_DIR/_producers" >> "$OUT/check_$name.log" 2>&1
   stop_server
@@ -128,6 +149,27 @@ for stage in $STAGES; do
     tiny_b) export HSDUMP_DUMP_DIR=/dev/shm/hsdump-b
             tiny tiny_b 2,4,5 sglang.launch_server --cuda-graph-max-bs 16
             unset HSDUMP_DUMP_DIR ;;
+    pre_llama) export HSDUMP_DUMP_DIR=/dev/shm/hsdump-pre HSDUMP_FINAL_NORM=pre_norm
+            tiny pre_llama 2,4,5 sglang.launch_server --cuda-graph-max-bs 16
+            keep_store pre_llama
+            unset HSDUMP_DUMP_DIR HSDUMP_FINAL_NORM ;;
+    pre_deepseek) make_model deepseek /tmp/ds
+            export HSDUMP_DUMP_DIR=/dev/shm/hsdump-ds HSDUMP_FINAL_NORM=pre_norm
+            CHECKS=tests/gpu/test_tiny.py served pre_deepseek "" /tmp/ds /tmp/ds sglang.launch_server \
+              --mem-fraction-static 0.5 --cuda-graph-max-bs 16
+            unset HSDUMP_DUMP_DIR HSDUMP_FINAL_NORM ;;
+    kimi25) make_model deepseek /tmp/ds; make_model kimi25 /tmp/k25 /tmp/ds
+            export HSDUMP_DUMP_DIR=/dev/shm/hsdump-k25 HSDUMP_FINAL_NORM=${KIMI25_NORM:-pre_norm}
+            PYTHONPATH=$PYTHONPATH:$REPO/tests/gpu CHECKS=tests/gpu/test_tiny.py \
+              served kimi25 "" /tmp/k25 /tmp/ds launch_text_only --mem-fraction-static 0.5 \
+              --cuda-graph-max-bs 16
+            unset HSDUMP_DUMP_DIR HSDUMP_FINAL_NORM ;;
+    startup) make_kimi
+            export HSDUMP_DUMP_DIR=/dev/shm/hsdump-startup
+            start_server startup sglang.launch_server --model-path /tmp/kimi --enable-return-hidden-states || { status=1; continue; }
+            python3 benchmarks/bench_startup.py --server-url $URL --dump-dir $HSDUMP_DUMP_DIR \
+              --work-dir /tmp/startup ${STARTUP_ARGS:-} 2>&1 | tee "$OUT/startup.log" || status=1
+            stop_server; unset HSDUMP_DUMP_DIR ;;
     bench) make_1b
            export HSDUMP_DUMP_DIR=/dev/shm/hsdump-bench
            start_server bench sglang.launch_server "${BENCH_ARGS[@]}" --enable-return-hidden-states || { status=1; continue; }

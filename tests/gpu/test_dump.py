@@ -12,8 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
-from _gpu import GpuServer, LayerDiffs
+from _gpu import GpuServer, LayerDiffs, reference_forward
 
 # Warnings of the GPU machine's torch and transformers are reported, not failures: what these
 # checks judge is the states.
@@ -65,12 +64,15 @@ def probe(gpu_server: GpuServer, reference_model: Any) -> dict[str, Any]:
         dump = read_dump(wait_dump(gpu_server.dump_dir, rid))
         if dump.meta.input_ids != ids or answer["meta_info"]["id"] != rid:
             mismatched.append(rid)
-        with torch.no_grad():
-            ref = reference_model(torch.tensor([ids]).cuda(), output_hidden_states=True)
+        hidden, finals = reference_forward(reference_model, ids)
         layer_ids = dump.meta.layer_ids
         for k, lid in enumerate(layer_ids):
-            diffs.add(f"hs[{lid}]", dump.aux_hidden_states[:, k], ref.hidden_states[lid][0])
-        diffs.add("final", dump.final_hidden_state, ref.hidden_states[-1][0])
+            diffs.add(f"hs[{lid}]", dump.aux_hidden_states[:, k], hidden[lid][0])
+        diffs.add(
+            f"final ({dump.meta.final_norm})",
+            dump.final_hidden_state,
+            finals[gpu_server.final_norm],
+        )
     result = {"layer_ids": layer_ids, "per_layer": diffs.per_layer, "mismatched": mismatched}
     gpu_server.record("probe", result)
     return {**result, "far_off": diffs.far_off()}

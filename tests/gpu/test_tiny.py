@@ -13,8 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
-from _gpu import GpuServer, LayerDiffs
+from _gpu import GpuServer, LayerDiffs, other_norm, reference_forward
 
 # Warnings of the GPU machine's torch and transformers are reported, not failures: what these
 # checks judge is the states.
@@ -22,6 +21,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(900), pytest.mark.filterwarni
 
 VOCAB = 1024
 MUST_DIFFER = "aux[0] vs hs[id+1]"  # a wrong layer: shows that the comparison can fail
+OTHER_NORM = "final vs the other norm convention"  # a pre/post-norm mix-up must show too
 
 
 def make_dataset(path: Path, seed: int = 7) -> list[dict[str, Any]]:
@@ -117,14 +117,15 @@ def stored(
                 len(sample["input_ids"]),
                 len(layer_ids),
             )
-            with torch.no_grad():
-                ids = torch.tensor([sample["input_ids"]]).cuda()
-                refs = reference_model(ids, output_hidden_states=True).hidden_states
+            refs, finals = reference_forward(reference_model, sample["input_ids"])
             for j, lid in enumerate(layer_ids):
                 diffs.add(f"aux[{j}]=hs[{lid}]", hs.aux_hidden_states[:, j], refs[lid][0])
-            diffs.add("final=hs[-1]", hs.final_hidden_state, refs[-1][0])
+            norm = gpu_server.final_norm
+            diffs.add(f"final ({norm})", hs.final_hidden_state, finals[norm])
             diffs.add(MUST_DIFFER, hs.aux_hidden_states[:, 0], refs[layer_ids[0] + 1][0])
-    result = {"layer_ids": layer_ids, "per_layer": diffs.per_layer,
+            diffs.add(OTHER_NORM, hs.final_hidden_state, finals[other_norm(norm)])
+        final_norm = store.provenance.final_norm if store.provenance else None
+    result = {"layer_ids": layer_ids, "final_norm": final_norm, "per_layer": diffs.per_layer,
               **{k: extraction[k] for k in ("rc", "foreign", "foreign_dumps")}}  # fmt: skip
     gpu_server.record("tiny", result)
     return {**result, "diffs": diffs}
@@ -140,9 +141,16 @@ def test_another_clients_requests_are_never_dumped(extraction: dict[str, Any]) -
 
 
 def test_every_stored_layer_matches_transformers(stored: dict[str, Any]) -> None:
-    names = [name for name in stored["per_layer"] if name != MUST_DIFFER]
+    names = [name for name in stored["per_layer"] if name not in (MUST_DIFFER, OTHER_NORM)]
     assert stored["diffs"].far_off(*names) == []
     assert stored["diffs"].far_off(MUST_DIFFER), "a wrong layer passed the comparison"
+    assert stored["diffs"].far_off(OTHER_NORM), "the other final-norm convention passed"
+
+
+def test_the_store_records_the_final_state_the_server_dumps(
+    gpu_server: GpuServer, stored: dict[str, Any]
+) -> None:
+    assert stored["final_norm"] == gpu_server.final_norm
 
 
 def test_the_stored_layers_are_the_configured_ones(
