@@ -1,12 +1,13 @@
 """Random checkpoints for the GPU checks, built from a config with a seed on the GPU, in bf16.
 
-    python3 tests/gpu/make_model.py llama DIR       tiny Llama (H=256, 8 layers, vocab 1024)
-    python3 tests/gpu/make_model.py deepseek DIR    DeepSeek-V3 / Kimi-K2.5's language model shape:
-                                                    MLA, 384 routed experts (8 a token) + 1 shared,
-                                                    sigmoid noaux_tc routing, H=2048, 8 layers
-    python3 tests/gpu/make_model.py kimi25 DIR SRC  SRC's DeepSeek-V3 weights as the language model of
-                                                    SGLang's KimiK25ForConditionalGeneration (a tiny
-                                                    MoonViT tower, left unloaded: text prompts only)
+    python3 tests/gpu/make_model.py llama DIR
+        a tiny Llama (H=256, 8 layers, vocab 1024)
+    python3 tests/gpu/make_model.py deepseek DIR
+        DeepSeek-V3 / Kimi-K2.5's language model shape: MLA, 384 routed experts (8 a token) and
+        one shared, sigmoid noaux_tc routing, H=2048, 8 layers
+    python3 tests/gpu/make_model.py kimi25 DIR SRC
+        SRC's DeepSeek-V3 weights as the language model of SGLang's
+        KimiK25ForConditionalGeneration (a tiny MoonViT tower, left unloaded: text prompts only)
 
 Every final norm is drawn from [0.5, 1.5): transformers initialises norms to ones, under which a
 pre-norm/post-norm mix-up changes the data too little to be seen.
