@@ -10,9 +10,13 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import signal
+import socket
+import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,7 +38,7 @@ from hsdump import (
     run_ray_extraction,
     verify_store,
 )
-from hsdump.testing import FakeServer, cli_app
+from hsdump.testing import FakeServer, Fault, cli_app
 
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
@@ -302,3 +306,58 @@ def test_an_interrupted_run_keeps_what_it_committed_and_leaves_no_actor(
 
 def _dumps_left(server: FakeServer) -> list[str]:
     return sorted(p.name for p in server.dump_dir.iterdir() if p.name.startswith(("req_", ".tmp")))
+
+
+def test_an_actors_own_warnings_reach_the_driver_naming_its_part(
+    cluster, servers, tmp_path, caplog
+) -> None:
+    """Ray does not forward the workers' output: hsdump's lines come back with the results."""
+    servers[1].inject(Fault(), Fault("http_500"))  # the client's probe, then a sample
+    with caplog.at_level(logging.WARNING, logger="hsdump"):
+        summary = _run(servers, tmp_path / "s.zarr", SAMPLES[:30])
+    assert summary.ok and summary.samples_done == 30
+    relayed = [r.getMessage() for r in caplog.records if r.name == "hsdump._run.ray_driver"]
+    assert any(m.startswith("ray-s1-a0: sample ") and "retrying" in m for m in relayed), relayed
+
+
+def _extract_ray_at(address: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "d.jsonl").write_text(json.dumps({"id": "a", "input_ids": [1]}) + "\n")
+    listing = [{"url": "http://127.0.0.1:9", "dump_dir": "/x", "node": "n0"}]
+    (tmp_path / "servers.json").write_text(json.dumps(listing))
+    args = ["extract", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "s.zarr"), "--servers"]
+    args += [str(tmp_path / "servers.json"), "--ray", "--ray-address", address]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    return subprocess.run(
+        [sys.executable, "-m", "hsdump", *args], capture_output=True, text=True, timeout=60, env=env
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_a_cluster_address_where_nothing_listens_fails_at_once_saying_what_to_check(
+    tmp_path,
+) -> None:
+    started = time.monotonic()
+    result = _extract_ray_at(f"127.0.0.1:{_free_port()}", tmp_path)
+    assert time.monotonic() - started < 30  # ray.init alone retries for minutes
+    assert result.returncode == 2, result.stderr
+    out = " ".join((result.stdout + result.stderr).split())
+    assert "cannot join the Ray cluster at 127.0.0.1:" in out and "nothing answers" in out
+    assert "ray status" in out and "Traceback" not in out
+
+
+def test_a_cluster_listening_on_loopback_only_is_named_so(tmp_path) -> None:
+    """Ray joins 127.0.0.1:PORT through this host's interface address, where nothing listens."""
+    here = ray.util.get_node_ip_address()
+    if here.startswith("127."):
+        pytest.skip("this host has no address but loopback")
+    with socket.create_server(("127.0.0.1", 0)) as loopback:
+        port = loopback.getsockname()[1]
+        result = _extract_ray_at(f"127.0.0.1:{port}", tmp_path)
+    out = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2 and f"through its address {here}:{port}" in out, out
+    assert "loopback only" in out

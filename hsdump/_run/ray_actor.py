@@ -12,6 +12,7 @@ still out need a look at the store.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,7 @@ class BatchResult:
     node_id: str | None = None
     error: str | None = None
     message: str = ""
+    logs: list[tuple[int, str]] = field(default_factory=list)  # hsdump's lines: (level, text)
 
     @classmethod
     def of(cls, summary: ExtractionSummary, totals: dict[str, Any]) -> BatchResult:
@@ -83,6 +85,22 @@ class BatchResult:
             bytes_raw=summary.bytes_raw, retries=summary.retries, skipped=summary.skipped,
             failures=list(summary.failures), totals=totals,
         )  # fmt: skip
+
+
+class _Lines(logging.Handler):
+    """hsdump's warnings in the actor, handed back with its next result: the driver does not
+    take the Ray workers' output (`hsdump._run.ray_cluster.connected`)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[tuple[int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.levelno, record.getMessage()))
+
+    def take(self) -> list[tuple[int, str]]:
+        lines, self.lines = self.lines, []
+        return lines
 
 
 class ExtractionActor:
@@ -100,6 +118,8 @@ class ExtractionActor:
         self._start: _Start | None = None
         self._store_s = {"store_queue": 0.0, "store_write": 0.0}  # the run's, not the client's
         self._feeds: set[MemoryObjectReceiveStream[Sample]] = set()
+        self._lines = _Lines()
+        logging.getLogger("hsdump").addHandler(self._lines)
 
     async def open(self) -> BatchResult:
         """Open the client and the first free store part; report the part or why it failed."""
@@ -107,11 +127,12 @@ class ExtractionActor:
             await self._open()
         except HsdumpError as exc:
             await self._stack.aclose()
-            return BatchResult(error=type(exc).__name__, message=str(exc))
+            return self._with_lines(BatchResult(error=type(exc).__name__, message=str(exc)))
         import ray  # this runs in a Ray worker
 
         node = ray.get_runtime_context().get_node_id()
-        return BatchResult(writer_id=self._store.writer_id, node_id=node, totals=self._totals())
+        opened = BatchResult(writer_id=self._store.writer_id, node_id=node, totals=self._totals())
+        return self._with_lines(opened)
 
     async def _open(self) -> None:
         from hsdump._client.client import HiddenStateClient
@@ -158,12 +179,13 @@ class ExtractionActor:
                 feed, client=self._opened()[0], store=self._store, options=self.spec.run_options()
             )
         except HsdumpError as exc:  # the store refused a write: no later batch would fare better
-            return BatchResult(error=type(exc).__name__, message=str(exc), totals=self._totals())
+            refused = BatchResult(error=type(exc).__name__, message=str(exc), totals=self._totals())
+            return self._with_lines(refused)
         finally:
             self._feeds.discard(feed)
         for name in self._store_s:
             self._store_s[name] += summary.stages.get(name, 0.0)
-        return BatchResult.of(summary, self._totals())
+        return self._with_lines(BatchResult.of(summary, self._totals()))
 
     async def stop(self) -> None:
         """Drop the samples not started yet: the batches out finish those in flight and commit.
@@ -181,8 +203,12 @@ class ExtractionActor:
             totals = self._totals() if self._store is not None else {}
             await self._stack.aclose()
         except HsdumpError as exc:
-            return BatchResult(error=type(exc).__name__, message=str(exc))
-        return BatchResult(totals=totals)
+            return self._with_lines(BatchResult(error=type(exc).__name__, message=str(exc)))
+        return self._with_lines(BatchResult(totals=totals))
+
+    def _with_lines(self, result: BatchResult) -> BatchResult:
+        result.logs = self._lines.take()
+        return result
 
     def _opened(self) -> tuple[HiddenStateClient, _Start]:
         if self._client is None or self._start is None:

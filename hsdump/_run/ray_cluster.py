@@ -11,13 +11,11 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hsdump._exceptions import ConfigError
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "NODE_RESOURCE",
@@ -30,6 +28,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 NODE_RESOURCE = "hsdump-node:"
+JOIN_TIMEOUT_S = 10.0  # to reach the cluster's address; ray.init itself waits far longer
+_LOOPBACK = ("localhost", "127.0.0.1", "::1")  # the hosts Ray replaces by this host's address
 
 ServerEntry = tuple[str, "str | os.PathLike[str] | None", "str | None"]
 
@@ -55,9 +55,12 @@ def connected(ray: Any, address: str | None) -> Iterator[None]:
     if ray.is_initialized():
         yield
         return
+    _probe(ray, address)
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        ray.init(address=address, logging_level=logging.WARNING)
+        # The actors' hsdump lines come back with their results (`ExtractionActor`); forwarding
+        # the workers' output would also bring Ray's raylet logs, a flood when a node goes.
+        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ConfigError(
             f"cannot join the Ray cluster at {address or 'RAY_ADDRESS or this node'}: {exc}. "
@@ -72,6 +75,44 @@ def connected(ray: Any, address: str | None) -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+def _probe(ray: Any, address: str | None) -> None:
+    """Refuse, within `JOIN_TIMEOUT_S`, a cluster address where nothing answers.
+
+    ``ray.init`` retries such an address for minutes, printing only its own warnings. It also
+    joins ``127.0.0.1:PORT`` through this host's interface address, so both are tried.
+    """
+    target = address or os.environ.get("RAY_ADDRESS") or ""
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit() or "://" in target:
+        return  # none named ("auto", this node's cluster, ray://): ray.init finds it or says why
+    host = host.strip("[]")
+    hosts = [host]
+    if host in _LOOPBACK:
+        hosts.append(ray.util.get_node_ip_address())
+    for tried in hosts:
+        try:
+            socket.create_connection((tried, int(port)), timeout=JOIN_TIMEOUT_S).close()
+        except OSError as exc:
+            raise ConfigError(_unreachable(target, tried, port, exc)) from exc
+
+
+def _unreachable(target: str, tried: str, port: str, exc: OSError) -> str:
+    why = exc.strerror or type(exc).__name__
+    if target.rpartition(":")[0].strip("[]") != tried:
+        return (
+            f"cannot join the Ray cluster at {target}: Ray joins a cluster on this host through "
+            f"its address {tried}:{port}, where nothing answers ({why}): the head listens on "
+            f"loopback only. Start it with `ray start --head --node-ip-address {tried}` and pass "
+            f"--ray-address {tried}:{port}"
+        )
+    return (
+        f"cannot join the Ray cluster at {target}: nothing answers there within "
+        f"{JOIN_TIMEOUT_S:.0f} s ({why}). Check that its head runs (`ray status` there), that "
+        f"{port} is the GCS port `ray start --head` printed (6379 by default), and that no "
+        "firewall stands between this machine and it"
+    )
 
 
 def resolve_nodes(ray: Any, servers: Sequence[ServerEntry]) -> list[str]:

@@ -195,6 +195,7 @@ class _RayRun:
             self._died(actor, _reason(exc), restart=True)
             return
         actor.totals = result.totals or actor.totals
+        self._relay(actor, result)
         if result.error is not None:
             self._died(actor, f"{result.error}: {result.message}", restart=False)
         elif kind == "open":
@@ -209,6 +210,11 @@ class _RayRun:
         else:
             del actor.out[ref]  # committed
             self._add(result)
+
+    def _relay(self, actor: _Actor, result: BatchResult) -> None:
+        """Log the actor's own hsdump lines here, naming its part (or its server)."""
+        for level, line in result.logs:
+            logger.log(level, "%s: %s", actor.writer_id or self.specs[actor.server].url, line)
 
     def _add(self, result: BatchResult) -> None:
         for name in Tally.ADDITIVE:
@@ -236,7 +242,8 @@ class _RayRun:
             self.ray.kill(actor.handle, no_restart=True)
         url = self.specs[actor.server].url
         level = logging.DEBUG if self.stopping else logging.WARNING
-        logger.log(level, "the actor of %s (part %s) ended: %s", url, actor.writer_id, reason)
+        part = f" (part {actor.writer_id})" if actor.writer_id else " (before it opened its part)"
+        logger.log(level, "the actor of %s%s ended: %s", url, part, reason)
         leased = [s for batch in actor.out.values() for s in batch]
         for ref in actor.out:
             self.calls.pop(ref, None)
@@ -297,6 +304,7 @@ class _RayRun:
                 logger.warning("the actor of part %s did not close: %s", actor.writer_id, exc)
                 result = BatchResult()
             actor.totals = result.totals or actor.totals
+            self._relay(actor, result)
             if result.error is not None:
                 logger.warning("part %s: %s: %s", actor.writer_id, result.error, result.message)
         for actor in self._live():
