@@ -84,7 +84,7 @@ EXTRACT_HELP = _reflow("""Extract every sample of a JSONL DATASET into the store
 
 Each line is {"id": ..., "input_ids": [...], "loss_mask": [...]} ("text" or chat "messages"
 with --tokenizer). A rerun skips the samples already stored; failures are recorded in
-OUT.failures.jsonl.
+OUT.failures.jsonl (for an s3:// store, NAME.failures.jsonl in the working directory).
 
 Examples:
   hsdump extract bundled --out sample.zarr    # bundled data, built-in model

@@ -361,3 +361,28 @@ def test_a_cluster_listening_on_loopback_only_is_named_so(tmp_path) -> None:
     out = " ".join((result.stdout + result.stderr).split())
     assert result.returncode == 2 and f"through its address {here}:{port}" in out, out
     assert "loopback only" in out
+
+
+def test_an_actor_without_s3_credentials_says_they_come_from_ray_start(
+    cluster, servers, tmp_path, monkeypatch
+) -> None:
+    """The AWS_* variables of the command's shell do not reach actors: its message says so."""
+    moto_server = pytest.importorskip("moto.server")
+    boto3 = pytest.importorskip("boto3")
+    s3 = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    s3.start()
+    try:
+        host, port = s3.get_host_and_port()
+        for name, value in {
+            "AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "AKIAHSDUMPRAY",
+            "AWS_SECRET_ACCESS_KEY": "ray-test-secret", "AWS_DEFAULT_REGION": "us-east-1",
+        }.items():  # fmt: skip
+            monkeypatch.setenv(name, value)  # here only: the cluster started without them
+        boto3.client("s3").create_bucket(Bucket="raybucket")
+        with pytest.raises(WorkerError) as caught:
+            _run(servers[:1], "s3://raybucket/s.zarr", SAMPLES[:5], nodes=["n1"])
+    finally:
+        s3.stop()
+    message = str(caught.value)
+    assert "StoreIOError" in message and f"Ray node {_node_ids(cluster)['n1']}" in message
+    assert "`ray start` had on that node, not from the shell" in message

@@ -237,6 +237,8 @@ def test_a_second_writer_of_one_part_is_refused_naming_the_lease_and_its_holder(
         message = str(refused.value)
         assert lease in message and "own writer_id" in message
         assert f"pid {__import__('os').getpid()}" in message and "expires in" in message
+        # Its holder runs here: no rerun waits for the lease to expire.
+        assert "runs on this machine: stop it" in message and "once the lease" not in message
         open_test_store(url, writer_id="w1").close()  # another part is free
     open_test_store(url, writer_id="w0").close()  # released on close
 
@@ -285,8 +287,9 @@ def test_a_live_lease_of_another_machine_is_refused_and_an_expired_one_taken_ove
 ) -> None:
     key = "runs/s.zarr.hsdump-locks/part-w0.lease"
     s3.put_object(Bucket=bucket, Key=key, Body=_foreign_lease(ttl_s=3600))
-    with pytest.raises(PartLockedError, match="held by pid 1 on node-elsewhere"):
+    with pytest.raises(PartLockedError, match="held by pid 1 on node-elsewhere") as refused:
         open_test_store(url, writer_id="w0")
+    assert "a rerun on node-elsewhere takes the part over at once" in str(refused.value)
     s3.put_object(Bucket=bucket, Key=key, Body=_foreign_lease(ttl_s=0))  # expired at once
     with open_test_store(url, writer_id="w0") as store:
         store.write(make_sample(2))

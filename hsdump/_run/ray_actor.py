@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
-from hsdump._exceptions import HsdumpError, StoreError
+from hsdump._exceptions import HsdumpError, StoreError, StoreIOError
 from hsdump._run.common import (
     ExtractionSummary,
     ExtractorSpec,
@@ -127,12 +127,26 @@ class ExtractionActor:
             await self._open()
         except HsdumpError as exc:
             await self._stack.aclose()
-            return self._with_lines(BatchResult(error=type(exc).__name__, message=str(exc)))
+            message = str(exc) + self._s3_note(exc)
+            return self._with_lines(BatchResult(error=type(exc).__name__, message=message))
         import ray  # this runs in a Ray worker
 
         node = ray.get_runtime_context().get_node_id()
         opened = BatchResult(writer_id=self._store.writer_id, node_id=node, totals=self._totals())
         return self._with_lines(opened)
+
+    def _s3_note(self, exc: HsdumpError) -> str:
+        """Where an actor's AWS settings come from, when S3 refused it or could not be reached."""
+        if not isinstance(exc, StoreIOError) or "://" not in self.spec.store:
+            return ""
+        import ray  # this runs in a Ray worker
+
+        node = ray.get_runtime_context().get_node_id()
+        return (
+            f". This actor runs on Ray node {node}: it takes AWS_* from the environment that "
+            "`ray start` had on that node, not from the shell that runs `hsdump extract`; "
+            "export them there and restart Ray on it (docs/multinode.md)"
+        )
 
     async def _open(self) -> None:
         from hsdump._client.client import HiddenStateClient

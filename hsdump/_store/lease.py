@@ -225,13 +225,20 @@ class Lease:
     def _held(self, found: _Found, part: str, where: str) -> PartLockedError:
         h = found.holder
         assert h is not None
+        left = max(0.0, h.ttl_s - found.age_s)
+        if h.machine and h.machine == _machine():  # alive: a dead holder here is taken over
+            then = "that process runs on this machine: stop it, and a rerun takes the part over"
+        else:
+            then = (
+                f"if that writer is dead, a rerun on {h.host} takes the part over at once, and "
+                f"one elsewhere once the lease has expired ({left:.0f} s); or delete {self.url} "
+                f"(`aws s3 rm {self.url}`) when you are sure no process writes this part"
+            )
         return PartLockedError(
             f"part {part!r} of {where} is being written by another writer: its lease {self.url} "
             f"is held by pid {h.pid} on {h.host} (since {h.acquired_at}), renewed "
-            f"{found.age_s:.0f} s ago, and expires in {max(0.0, h.ttl_s - found.age_s):.0f} s "
-            f"unless renewed. Give each concurrent writer its own writer_id (one part per "
-            f"writer). If that writer is dead, rerun once the lease has expired, or delete "
-            f"{self.url} (`aws s3 rm {self.url}`) when you are sure no process writes this part"
+            f"{found.age_s:.0f} s ago, and expires in {left:.0f} s unless renewed. Give each "
+            f"concurrent writer its own writer_id (one part per writer); {then}"
         )
 
     def _log_takeover(self, found: _Found) -> None:
