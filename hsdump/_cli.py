@@ -240,7 +240,9 @@ def _read_dataset(options: _ExtractOptions, limits: InputLimits) -> tuple[Datase
     if options.shard is not None:
         dataset = options.shard.select(dataset)
     for bad in dataset.bad_lines:
-        console.print(f"[red]bad line[/] {bad.error}", highlight=False, soft_wrap=True)
+        # The message names file and line; rich would take a "[sample 'x']" prefix for markup.
+        line = f"[red]bad line[/] {escape(bad.error.message)}"
+        console.print(line, highlight=False, soft_wrap=True)
     prior = [Failure(b.sample_id, b.line, "InputError", str(b.error), 0) for b in dataset.bad_lines]
     return dataset, prior
 

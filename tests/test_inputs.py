@@ -170,6 +170,29 @@ def test_json_nested_too_deeply_rejects_its_line_alone(server, tmp_path):
     _one_bad_line(run, path, 2, "JSON nested too deeply")
 
 
+def test_a_json_line_cut_short_is_reported_at_the_column_where_it_ends(server, tmp_path):
+    cut = '{"id": "x", "input_ids": [1, 2, 3'  # 33 characters: column 34 is where a "," was due
+    path = _write(tmp_path / "d.jsonl", {"id": "ok1", "input_ids": [1]}, cut)
+    run = _extract(server, path)
+    _one_bad_line(run, path, 2, "not valid JSON (Expecting ',' delimiter at column 34)")
+
+
+def test_every_bad_line_is_printed_in_one_format(server, tmp_path):
+    path = _write(
+        tmp_path / "d.jsonl",
+        {"id": "[b]x", "input_ids": [1]},
+        {"id": "s2", "input_ids": [500]},  # a bad line with an id
+        "{not json",  # one without
+        {"id": "[b]x", "input_ids": [2]},
+    )
+    run = _extract(server, path)
+    printed = [line for line in run.output.splitlines() if line.startswith("bad line")]
+    assert [line.split(": ", 1)[0] for line in printed] == [
+        f"bad line {path}:{number}" for number in (2, 3, 4)
+    ]
+    assert "duplicate id '[b]x'" in printed[2]  # printed as it is, not taken for markup
+
+
 def test_a_duplicate_id_is_rejected_naming_the_first_line(server, tmp_path):
     path = _write(
         tmp_path / "d.jsonl", {"id": "a", "input_ids": [1]}, {"id": "a", "input_ids": [2]}

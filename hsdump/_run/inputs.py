@@ -156,9 +156,10 @@ class _LineParser:
                 "save the dataset as UTF-8",
             )
         try:
-            record = json.loads(text)
+            # Without its newline, a line cut short fails at its end, not at column 1 of the next.
+            record = json.loads(text.rstrip("\r\n"))
         except json.JSONDecodeError as exc:
-            raise self.error(number, f"not valid JSON ({exc.msg} at column {exc.colno})") from exc
+            raise self.error(number, f"not valid JSON ({exc.msg} at column {exc.pos + 1})") from exc
         except RecursionError:
             raise self.error(
                 number, "JSON nested too deeply to read (over a thousand levels of [ or {)"
