@@ -840,8 +840,12 @@ def verify_model(
 @app.command()
 def stats(
     store: Annotated[str, typer.Argument(metavar="STORE", help="The Zarr store to summarise.")],
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the summary as one JSON object on stdout.")
+    ] = False,
 ) -> None:
-    """The store's provenance, then a per-layer summary: count, mean, std, max |x|, non-finite.
+    """The store's provenance, the masked fraction of its tokens (loss mask 0), then a per-layer
+    summary: count, mean, std, max |x|, non-finite.
 
     Example:
       hsdump stats hs.zarr
@@ -855,9 +859,27 @@ def stats(
 
         with open_store(store, "r") as opened:
             layers = opened.stats()
-            out.print(f"{len(opened)} samples, {opened.num_tokens:,} tokens in {store}")
-            for line in describe(opened.provenance):
-                out.print(line, markup=False, highlight=False, soft_wrap=True)
+            trained, tokens = opened.loss_mask_counts()
+            masked = (tokens - trained) / tokens if tokens else 0.0
+            summary = {
+                "store": store, "samples": len(opened), "tokens": tokens,
+                "trained_tokens": trained, "masked_fraction": masked,
+                "provenance": opened.provenance and opened.provenance.model_dump(mode="json"),
+                "layers": [layer.summary() for layer in layers],
+            }  # fmt: skip
+            lines = [
+                f"{len(opened)} samples, {tokens:,} tokens in {store}",
+                f"loss mask: {masked:.1%} of the tokens masked (0: not trained on), "
+                f"{trained:,} trained on",
+                *describe(opened.provenance),
+            ]
+        code = EXIT_FAILURES if any(layer.non_finite for layer in layers) else EXIT_OK
+        if as_json:
+            text = json.dumps(summary)
+            out.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
+            return code
+        for line in lines:
+            out.print(line, markup=False, highlight=False, soft_wrap=True)
         table = Table("layer", "values", "mean", "std", "max |x|", "non-finite")
         for layer in layers:
             row = layer.summary()
@@ -866,7 +888,7 @@ def stats(
                 f"{row['max_abs']:.4g}", str(row["non_finite"]),
             )  # fmt: skip
         out.print(table)
-        return EXIT_FAILURES if any(layer.non_finite for layer in layers) else EXIT_OK
+        return code
 
     _run_guarded(job)
 

@@ -258,33 +258,6 @@ def test_the_bundled_dataset_is_extracted_whole_with_the_built_in_model(tmp_path
     assert len(set(lengths)) > 20
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = ["<unk>", "<s>", "hello", "world", "user", "assistant", ":", "hi"]
-    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>")
-    tokenizer.chat_template = "{% for m in messages %}{{ m.role }} : {{ m.content }} {% endfor %}"
-    directory = tmp_path_factory.mktemp("tokenizer")
-    tokenizer.save_pretrained(directory)
-    return directory
-
-
-def test_text_and_chat_messages_are_tokenized_with_a_local_tokenizer(
-    server, tmp_path, tokenizer_dir
-):
-    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello world"}]
-    path = _write(
-        tmp_path / "d.jsonl", {"id": "t", "text": "hello world"}, {"id": "m", "messages": chat}
-    )
-    run = _extract(server, path, "--tokenizer", str(tokenizer_dir))
-    assert run.code == 0, run.output
-    assert run.stored["t"][0][-2:] == [2, 3] and run.stored["m"][0] == [4, 6, 7, 5, 6, 2, 3]
-
-
 def test_a_directory_without_a_tokenizer_is_a_one_line_error(server, tmp_path):
     path = _write(tmp_path / "d.jsonl", {"id": "t", "text": "hello world"})
     run = _extract(server, path, "--tokenizer", str(tmp_path))

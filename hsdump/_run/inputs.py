@@ -1,7 +1,9 @@
 """Reading and validating a JSONL dataset of samples.
 
 Each line is a JSON object ``{"id": ..., "input_ids": [...], "loss_mask": [...]}``; with a local
-tokenizer, ``"text"`` or chat ``"messages"`` may stand in for ``input_ids``. A bad line never stops
+tokenizer, ``"text"`` or chat ``"messages"`` may stand in for ``input_ids``. A ``messages`` line
+gets an assistant-only loss mask from the chat template (`hsdump._run.chat`); a ``text`` line is
+plain text and is stored without a mask, which reads back as all ones. A bad line never stops
 the others: it becomes a `BadLine` naming the line number and the reason, and the caller
 decides what to do with it (the CLI reports it and records it in the failures file).
 """
@@ -13,13 +15,14 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hsdump._client.limits import InputLimits, local_model_config
 from hsdump._exceptions import ConfigError, HsdumpError, InputError
+from hsdump._run.chat import tokenize_chat
 from hsdump._types import Sample
 
 __all__ = [
@@ -168,7 +171,7 @@ class _LineParser:
             raise self.error(number, f"expected a JSON object, found {type(record).__name__}")
         sample_id = self._id(number, record)
         try:
-            sample = Sample(sample_id, self._input_ids(record), record.get("loss_mask"))
+            sample = Sample(sample_id, *self._tokens(record))
             self.limits.check(sample.input_ids)
         except (InputError, ValueError, TypeError) as exc:
             reason = exc.message if isinstance(exc, HsdumpError) else str(exc)
@@ -183,25 +186,26 @@ class _LineParser:
             raise self.error(number, 'no "id": every line needs a unique non-empty string "id"')
         return value
 
-    def _input_ids(self, record: dict[str, Any]) -> list[int]:
+    def _tokens(self, record: dict[str, Any]) -> tuple[list[int], Any]:
+        """The line's token ids and loss mask (None: every token is trained on)."""
         if "input_ids" in record:
             ids = record["input_ids"]
             if not isinstance(ids, list) or not ids:
                 raise InputError('"input_ids" must be a non-empty list of token ids')
-            return ids  # Sample checks that they are non-negative ints
+            return ids, record.get("loss_mask")  # Sample checks the values
         if "text" not in record and "messages" not in record:
             raise InputError('no "input_ids" (nor "text" or "messages" with a tokenizer)')
         if self.tokenizer is None:
             raise InputError('has "text"/"messages" but no tokenizer: pass --tokenizer DIR')
-        return self._tokenize(record)
-
-    def _tokenize(self, record: dict[str, Any]) -> list[int]:
         if "text" in record:
-            return list(self.tokenizer(record["text"], add_special_tokens=True)["input_ids"])
-        ids = self.tokenizer.apply_chat_template(record["messages"], tokenize=True)
-        if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+            ids = self.tokenizer(record["text"], add_special_tokens=True)["input_ids"]
+            return list(ids), record.get("loss_mask")
+        if "loss_mask" in record:
+            raise InputError(
+                'has "messages" and "loss_mask": a chat\'s mask comes from its template (1 on the '
+                'assistant\'s tokens); drop "loss_mask", or give "input_ids" with it'
+            )
+        return tokenize_chat(self.tokenizer, record["messages"])
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["CorruptSample", "PartReader", "VerifyReport", "verify_parts"]
 
 _SAMPLE_ARRAYS = ("hidden", "input_ids", "loss_mask")
+_MASK_ROWS = 1024  # rows whose masks are summed from one read: a few MB at chat lengths
 
 
 class CorruptSample(BaseModel):
@@ -117,6 +118,30 @@ class PartReader:
         assert self.index.state.layout is not None
         bits = shards.read(offset, stop, bits_dtype(self.index.state.layout.dtype), holes)
         return bits, ids.read(offset, stop), mask.read(offset, stop) if has_mask else None
+
+    def loss_mask_counts(self, rows: np.ndarray) -> tuple[int, int]:
+        """``(trained, tokens)`` of committed ``rows``: the tokens whose loss mask is 1 (every
+        token of a row stored without a mask, as it reads back), and all their tokens."""
+        picked = self.index.rows[rows]
+        tokens = int(picked[:, 1].sum())
+        masked = picked[picked[:, 2] != 0]
+        trained = tokens - int(masked[:, 1].sum())
+        masked = masked[np.argsort(masked[:, 0], kind="stable")]
+        for first in range(0, len(masked), _MASK_ROWS):
+            start, length = masked[first : first + _MASK_ROWS, :2].T
+            low, high = int(start[0]), int((start + length).max())
+            ones = np.concatenate([[0], np.cumsum(self._mask(low, high), dtype=np.int64)])
+            trained += int((ones[start + length - low] - ones[start - low]).sum())
+        return trained, tokens
+
+    def _mask(self, start: int, stop: int) -> np.ndarray:
+        try:
+            return self._open()[2].read(start, stop)  # type: ignore[no-any-return]
+        except DAMAGED as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            raise damaged(f"{self._where}/{self.index.name}/loss_mask", reason) from exc
+        except OSError as exc:
+            raise os_error(exc, self._where) from exc
 
     def checksum_error(self, row: int) -> str | None:
         """Why a row's stored bytes are bad, or None when they match the checksum."""

@@ -698,6 +698,20 @@ class HiddenStateStore:
         """Tokens of the committed samples."""
         return sum(s.num_tokens for s in self._states())
 
+    def loss_mask_counts(self) -> tuple[int, int]:
+        """``(trained, tokens)`` over the committed samples: the tokens whose loss mask is 1
+        (every token of a sample stored without a mask, as it reads back), and all tokens.
+
+        Reads the parts' mask arrays (a byte a token); `hsdump stats` shows the masked fraction.
+        """
+        by_part: dict[str, list[int]] = {}
+        with self._lock:
+            for part, row in self._where.values():
+                by_part.setdefault(part, []).append(row)
+            readers = {part: self._readers[part] for part in by_part}
+        counts = [readers[p].loss_mask_counts(np.asarray(r)) for p, r in by_part.items()]
+        return sum(c[0] for c in counts), sum(c[1] for c in counts)
+
     def stats(self) -> list[LayerStats]:
         """Per-layer statistics over every committed sample (aux layers, then ``"final"``)."""
         out: list[LayerStats] = []
