@@ -73,6 +73,7 @@ if TYPE_CHECKING:
     from hsdump._store.stats import LayerStats
     from hsdump._store.store import HiddenStateStore, open_store, verify_store
     from hsdump._training.batching import LengthBucketSampler, pad_collate
+    from hsdump._training.collate import SpecForgeCollate, SpeculatorsCollate
     from hsdump._training.dataset import HiddenStateDataset
     from hsdump._training.export import ExportSummary, export_store
 
@@ -101,6 +102,8 @@ _LAZY = {
     "RunOptions": "hsdump._run.common",
     "RequestSender": "hsdump._client.sending",
     "ServerAnswer": "hsdump._client.sending",
+    "SpecForgeCollate": "hsdump._training.collate",
+    "SpeculatorsCollate": "hsdump._training.collate",
     "StoreOptions": "hsdump._store.options",
     "VerifyReport": "hsdump._store.reader",
     "WatchfilesWatcher": "hsdump._client.watcher",
@@ -166,6 +169,8 @@ __all__ = [
     "ServerTimeout",
     "ServerUnavailable",
     "ShapeMismatch",
+    "SpecForgeCollate",
+    "SpeculatorsCollate",
     "StoreClosedError",
     "StoreCorruptedError",
     "StoreError",

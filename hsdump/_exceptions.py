@@ -44,7 +44,7 @@ The tree::
     │   ├── SampleNotFoundError (KeyError)
     │   ├── ProvenanceMismatch
     │   └── StoreCorruptedError
-    ├── ExportError                         writing a trainer's files from a store
+    ├── ExportError                         a store a trainer cannot take (export, batches)
     └── WorkerError                         a worker process could not start or kept dying
 
 ``exc.transient`` says whether retrying the sample with a fresh request may succeed.
@@ -287,8 +287,9 @@ class StoreCorruptedError(StoreError):
 
 
 class ExportError(HsdumpError):
-    """A store cannot be exported as asked: the trainer needs what the store does not hold (a
-    convention that cannot be converted), or the output directory belongs to another export."""
+    """A store cannot be exported or batched for a trainer as asked: the trainer needs what the
+    store does not hold (a convention that cannot be converted), or the output directory belongs
+    to another export."""
 
 
 class WorkerError(HsdumpError):

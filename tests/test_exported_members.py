@@ -63,6 +63,8 @@ PUBLIC = [
     "ServerTimeout",
     "ServerUnavailable",
     "ShapeMismatch",
+    "SpecForgeCollate",
+    "SpeculatorsCollate",
     "StoreClosedError",
     "StoreCorruptedError",
     "StoreError",

@@ -10,6 +10,7 @@ from torch.utils.data import Dataset
 if TYPE_CHECKING:
     import torch
 
+    from hsdump._store.provenance import Provenance
     from hsdump._store.store import HiddenStateStore
 
 __all__ = ["HiddenStateDataset"]
@@ -32,6 +33,13 @@ class HiddenStateDataset(Dataset[dict[str, "torch.Tensor"]]):
         path: The store (a path, URL or zarr ``Store``), as for `hsdump.open_store`.
         sample_ids: Restrict to these IDs, in this order (default: every committed sample).
         verify: Recompute each sample's checksum when it is read.
+
+    Attributes:
+        path: The store, as given.
+        sample_ids: The samples, in dataset order.
+        lengths: Each sample's token count, in dataset order.
+        provenance: What the store records about its states (layer ids, ``final_norm``...);
+            None for a store with no committed sample.
     """
 
     def __init__(
@@ -39,7 +47,7 @@ class HiddenStateDataset(Dataset[dict[str, "torch.Tensor"]]):
     ) -> None:
         from hsdump._store.store import open_store
 
-        self._path = path
+        self.path = path
         self._verify = verify
         store = open_store(path, "r")
         ids = list(store) if sample_ids is None else list(sample_ids)
@@ -54,6 +62,7 @@ class HiddenStateDataset(Dataset[dict[str, "torch.Tensor"]]):
             )
         self.sample_ids: list[str] = ids
         self.lengths: list[int] = [lengths[s] for s in ids]
+        self.provenance: Provenance | None = store.provenance
         self._store: HiddenStateStore | None = store
         self._pid = os.getpid()
 
@@ -64,7 +73,7 @@ class HiddenStateDataset(Dataset[dict[str, "torch.Tensor"]]):
         if self._store is None or self._pid != os.getpid():
             from hsdump._store.store import open_store
 
-            self._store = open_store(self._path, "r")
+            self._store = open_store(self.path, "r")
             self._pid = os.getpid()
         return self._store
 

@@ -116,7 +116,7 @@ def export_store(
     """Write a store's samples as the files a drafter trainer reads.
 
     - ``"specforge"``: ``OUT/rows_{g}-{g+2000}/data_{idx}.ckpt``, one ``torch.save`` dict per
-      sample (SpecForge's ``--hidden-states-path``).
+      sample (SpecForge's ``data.hidden_states_path``, in its YAML or as a dotted override).
     - ``"speculators"``: ``OUT/hidden_states/hs_{idx}.safetensors`` and the dataset rows in
       ``OUT`` (``datasets.load_from_disk``; speculators' ``--data-path``).
 
@@ -149,6 +149,7 @@ def export_store(
         previous = _read_manifest(out_dir, format)
         norm = resolve_final_norm(prov, final_norm, store.where)
         layer_ids = target.check(prov, norm, store.where)
+        target.prepare(prov, store.where)
         ids = _choose_ids(store, sample_ids, previous)
         manifest = _Manifest(
             target=format,

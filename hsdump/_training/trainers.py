@@ -65,8 +65,11 @@ class Target:
     """One trainer's layout: what it accepts, where each sample's file goes, how it is written."""
 
     def check(self, prov: Provenance, norm: FinalNorm, where: str) -> list[int]:
-        """Refuse what the trainer cannot use; return the aux layer ids in its convention."""
+        """Refuse states the trainer cannot use; return the aux layer ids in its convention."""
         raise NotImplementedError
+
+    def prepare(self, prov: Provenance, where: str) -> None:
+        """Refuse an export that cannot be written (a missing dependency, a dtype)."""
 
     def path(self, out: Path, idx: int) -> Path:
         """The file of the sample at export index ``idx``."""
@@ -91,8 +94,10 @@ class SpecForge(Target):
             raise ExportError(
                 "SpecForge applies only lm_head to 'hidden_state', so it needs the final state "
                 f"after the model's last norm (post-norm); the store at {where} holds it before "
-                "the norm (pre-norm), and hsdump cannot apply the model's norm: export this store "
-                "with --format speculators, or extract again with a post-norm producer"
+                "the norm (pre-norm), and hsdump cannot apply the model's norm: give this store to "
+                "speculators (--format speculators, or SpeculatorsCollate), or extract again with "
+                "the post-norm final state (the producers' default: HSDUMP_FINAL_NORM=post_norm "
+                "on SGLang)"
             )
         if len(prov.layer_ids) != 3:
             raise ExportError(
@@ -137,9 +142,14 @@ class Speculators(Target):
                 "(verifier_norm), so it needs the last layer's output before the norm (vLLM's "
                 f"layer num_hidden_layers, pre-norm); the store at {where} holds the final state "
                 "after the norm (post-norm, transformers' hidden_states[-1]), and the norm cannot "
-                "be undone: export this store with --format specforge, or extract again with a "
-                "producer that records the pre-norm state"
+                "be undone: extract again with the pre-norm final state (start SGLang with "
+                "HSDUMP_FINAL_NORM=pre_norm, or hsdump serve-reference with --final-norm "
+                "pre_norm), or give this store to SpecForge (--format specforge, or "
+                "SpecForgeCollate)"
             )
+        return list(prov.layer_ids)
+
+    def prepare(self, prov: Provenance, where: str) -> None:
         if prov.dtype not in _SAFETENSORS_DTYPES:
             raise ExportError(f"the store at {where} holds {prov.dtype}, which safetensors lacks")
         try:
@@ -149,7 +159,6 @@ class Speculators(Target):
                 "the speculators export writes its dataset rows with Hugging Face datasets, "
                 "which is not installed: pip install 'hsdump[export]'"
             ) from exc
-        return list(prov.layer_ids)
 
     def path(self, out: Path, idx: int) -> Path:
         return out / "hidden_states" / f"hs_{idx}.safetensors"
