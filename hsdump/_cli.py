@@ -625,7 +625,7 @@ def _warn_small_pages(roots: Sequence[Path | None]) -> None:
     for root in roots:
         warning = None if root is None else small_page_warning(root)
         if warning is not None:
-            console.print(f"[yellow]warning: {warning}[/]", highlight=False)
+            console.print(f"[yellow]warning: {warning}[/]", highlight=False, soft_wrap=True)
 
 
 def _all_stored(options: _ExtractOptions) -> bool:

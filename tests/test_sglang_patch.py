@@ -621,5 +621,4 @@ def test_the_writing_rank_warns_once_at_start_up_about_a_4kb_tmpfs(
     (line,) = warnings
     assert line.startswith("WARNING:sglang_patch.hooks:hsdump: the dump root ")
     assert f"{dump} lies on the tmpfs {point}, which has 4 KB pages" in line
-    assert "mount -t tmpfs -o huge=within_size,size=<N>g tmpfs /mnt/hsdump" in line
-    assert f"mount -o remount,huge=within_size {point}" in line
+    assert line.endswith("docs/sglang.md#put-the-dump-root-on-a-tmpfs-with-huge-pages shows")

@@ -9,14 +9,24 @@ when its dump root is on a tmpfs without them. The plugin imports this module; i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path, PurePosixPath
 
-__all__ = ["MOUNTS_FILE", "SHMEM_ENABLED_FILE", "small_page_tmpfs", "small_page_warning"]
+__all__ = [
+    "HUGE_PAGES_DOC",
+    "MOUNTS_FILE",
+    "SHMEM_ENABLED_FILE",
+    "WARNED_FILE",
+    "small_page_tmpfs",
+    "small_page_warning",
+]
 
 MOUNTS_FILE = Path("/proc/mounts")
 SHMEM_ENABLED_FILE = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+HUGE_PAGES_DOC = "docs/sglang.md#put-the-dump-root-on-a-tmpfs-with-huge-pages"
+WARNED_FILE = "_small_pages_warned"  # in a dump root: its 4 KB-page warning was given
 
 # huge=advise counts: the plugin's mapped dump files ask for huge pages with MADV_HUGEPAGE.
 _HUGE_OPTIONS = frozenset({"always", "within_size", "advise"})
@@ -78,20 +88,32 @@ def _mount_of(where: PurePosixPath, mounts: str) -> tuple[str, str, str] | None:
 
 def small_page_warning(root: str | os.PathLike[str]) -> str | None:
     """What the plugin logs at start-up, and the client says before a run, when the dump root
-    ``root`` lies on a tmpfs with 4 KB pages; None otherwise."""
+    ``root`` lies on a tmpfs with 4 KB pages: one line, given once per dump root (None after
+    that, and when the root is fine).
+
+    Once: the first process to give it leaves `WARNED_FILE` in the root, which lives as long as
+    the tmpfs (the server, its ranks and every client run share one root).
+    """
     mount = small_page_tmpfs(root)
-    if mount is None:
+    if mount is None or not _first_to_warn(Path(root)):
         return None
     # Measured on a 16-core H200 host (docs/sglang.md): 4.0 vs 13.3 GB/s with 4 threads, and 4
     # write threads carried 0.31-0.36 instead of 0.79-0.85 of the server's rate at H=7168.
     return (
-        f"the dump root {root} lies on the tmpfs {mount}, which has 4 KB pages: filling "
-        "dumps there costs 3-4x the CPU per byte of a tmpfs with huge pages and can hold the "
-        "dump rate well under the server's. Mount one (mount -t tmpfs -o "
-        "huge=within_size,size=<N>g tmpfs /mnt/hsdump) and point HSDUMP_DUMP_DIR and the "
-        f"client there, or remount this one (mount -o remount,huge=within_size {mount}); see "
-        "docs/sglang.md"
+        f"the dump root {root} lies on the tmpfs {mount}, which has 4 KB pages: dumps there cost "
+        f"3-4x the CPU of a tmpfs with huge pages; mount one as {HUGE_PAGES_DOC} shows"
     )
+
+
+def _first_to_warn(root: Path) -> bool:
+    """Whether no process warned about ``root`` before; marks it warned where it exists."""
+    marker = root / WARNED_FILE
+    if marker.exists():
+        return False
+    # A root that does not exist yet, or is not ours to write: warned about each time.
+    with contextlib.suppress(OSError):
+        marker.touch()
+    return True
 
 
 def _bracketed(text: str) -> str | None:
