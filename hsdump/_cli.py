@@ -31,9 +31,9 @@ from rich.table import Table
 
 from hsdump._cli_report import console, print_summary, progress_view
 from hsdump._cores import EXTRACTION_SWITCH_INTERVAL_S
-from hsdump._exceptions import HsdumpError
+from hsdump._exceptions import ConfigError, HsdumpError, StoreIOError
 from hsdump._run.signals import GracefulStop, Stopped
-from hsdump._store.objstore import local_side, store_may_exist
+from hsdump._store.objstore import is_url, local_side, store_may_exist
 
 if TYPE_CHECKING:
     from hsdump import ExportSummary, ExtractionSummary, Failure, RunOptions
@@ -649,7 +649,9 @@ def _all_stored(options: _ExtractOptions) -> bool:
             done = not dataset.bad_lines and all(
                 s.id in store and mismatch(s) is None for s in dataset.samples
             )
-    except (OSError, HsdumpError):
+    except (OSError, HsdumpError) as exc:
+        if is_url(store_path) and isinstance(exc, (ConfigError, StoreIOError)):
+            raise  # the URL, credentials or endpoint: said before any server is asked
         return False  # the run itself reports what is wrong
     if done:
         failures_path_for(local_side(store_path)).unlink(missing_ok=True)  # nothing failed

@@ -457,6 +457,28 @@ def test_an_unreachable_endpoint_is_a_store_error_naming_it(
         open_store("s3://hsdump-any/x.zarr", "a")
 
 
+def test_extract_reports_an_unreachable_endpoint_before_asking_the_server(
+    s3: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    ports = []
+    for _ in range(2):  # an S3 endpoint and a server where nothing listens
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            ports.append(sock.getsockname()[1])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{ports[0]}")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    (tmp_path / "d.jsonl").write_text('{"id": "a", "input_ids": [1, 2]}\n')
+    args = ["extract", str(tmp_path / "d.jsonl"), "--out", "s3://hsdump-any/x.zarr"]
+    args += ["--server-url", f"http://127.0.0.1:{ports[1]}", "--dump-dir", str(tmp_path)]
+    result = runner.invoke(cli_app, args)
+    said = " ".join(result.output.split())
+    assert (
+        result.exit_code == 2
+        and f"cannot reach the S3 endpoint http://127.0.0.1:{ports[0]}" in said
+    )
+    assert f"127.0.0.1:{ports[1]}" not in said  # the server was not asked first
+
+
 def test_storage_options_botocore_does_not_take_are_a_config_error(s3: Any) -> None:
     with pytest.raises(ConfigError, match=r"storage_options for s3://hsdump-any/x\.zarr"):
         open_store("s3://hsdump-any/x.zarr", "r", storage_options={"no_such_option": 1})
