@@ -29,7 +29,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from hsdump._cli_report import console, print_summary, progress_view
+from hsdump._cli_report import console, print_summary, progress_view, stop_notice, summary_json
 from hsdump._cores import EXTRACTION_SWITCH_INTERVAL_S
 from hsdump._exceptions import ConfigError, HsdumpError, StoreIOError
 from hsdump._run.signals import GracefulStop, Stopped
@@ -191,6 +191,8 @@ class _ExtractOptions:
     watcher: Literal["inotify", "poll", "watchfiles"] | None
     shard_tokens: int | None
     log_every: float
+    verbose: bool = False
+    as_json: bool = False
     shard: Shard | None = None
     servers: Sequence[tuple[str, Path | None]] = ()
 
@@ -225,6 +227,19 @@ class _ExtractOptions:
             prior_failures=prior,
         )
 
+    def report(
+        self, summary: ExtractionSummary, failures_path: Path, *, signalled: bool = False
+    ) -> None:
+        """The run's summary: on stderr, or with ``--json`` as one JSON object on stdout."""
+        fail_fast = self.fail_fast
+        if self.as_json:
+            text = summary_json(summary, failures_path, fail_fast=fail_fast, signalled=signalled)
+            out.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
+            return
+        print_summary(
+            summary, failures_path, fail_fast=fail_fast, signalled=signalled, verbose=self.verbose
+        )
+
     def tokenizer_or_none(self) -> Any:
         """The ``--tokenizer`` (a transformers tokenizer), loaded; None without the option."""
         from hsdump._run.inputs import load_tokenizer
@@ -233,18 +248,23 @@ class _ExtractOptions:
 
 
 def _read_dataset(options: _ExtractOptions, limits: InputLimits) -> tuple[Dataset, list[Failure]]:
-    from hsdump._run.common import Failure
     from hsdump._run.inputs import read_dataset
 
     dataset = read_dataset(options.dataset, limits=limits, tokenizer=options.tokenizer_or_none())
     if options.shard is not None:
         dataset = options.shard.select(dataset)
+    return dataset, _say_bad_lines(dataset)
+
+
+def _say_bad_lines(dataset: Dataset) -> list[Failure]:
+    """Name each bad line of ``dataset``; the failures that record them."""
+    from hsdump._run.common import Failure
+
     for bad in dataset.bad_lines:
         # The message names file and line; rich would take a "[sample 'x']" prefix for markup.
         line = f"[red]bad line[/] {escape(bad.error.message)}"
         console.print(line, highlight=False, soft_wrap=True)
-    prior = [Failure(b.sample_id, b.line, "InputError", str(b.error), 0) for b in dataset.bad_lines]
-    return dataset, prior
+    return [Failure(b.sample_id, b.line, "InputError", str(b.error), 0) for b in dataset.bad_lines]
 
 
 async def _until_stopped(stop: GracefulStop, job: Callable[[], Awaitable[int]]) -> int:
@@ -293,7 +313,7 @@ async def _extract(
     if summary is None:
         return stop.exit_code or EXIT_INTERRUPTED
     signalled = stop.signum is not None
-    print_summary(summary, failures_path, fail_fast=options.fail_fast, signalled=signalled)
+    options.report(summary, failures_path, signalled=signalled)
     if signalled:
         return stop.exit_code or EXIT_INTERRUPTED
     return EXIT_OK if summary.ok else EXIT_FAILURES
@@ -326,9 +346,9 @@ def _extract_parallel(options: _ExtractOptions, url: str, dump_dir: Path | None)
         except KeyboardInterrupt:
             if view.summary is not None:
                 view.summary.interrupted = True
-                print_summary(view.summary, failures_path)
+                options.report(view.summary, failures_path, signalled=True)
             raise
-    print_summary(summary, failures_path, fail_fast=options.fail_fast)
+    options.report(summary, failures_path)
     return EXIT_OK if summary.ok else EXIT_FAILURES
 
 
@@ -360,7 +380,7 @@ def _extract_ray(
             if stop.signum is None or isinstance(exc, Stopped):
                 raise
             raise Stopped(stop.signum) from exc  # Ray's calls raise a new, plain one
-    print_summary(summary, failures_path, fail_fast=options.fail_fast)
+    options.report(summary, failures_path)
     return EXIT_OK if summary.ok else EXIT_FAILURES
 
 
@@ -574,7 +594,8 @@ def extract(
         dataset=_data_path(dataset), out=out, writer_id=writer_id, concurrency=concurrency,
         workers=workers or default_workers(), retries=retries, fail_fast=fail_fast,
         tokenizer=tokenizer, request_timeout=request_timeout, dump_timeout=dump_timeout,
-        watcher=watcher, shard_tokens=shard_tokens, log_every=log_every,
+        watcher=watcher, shard_tokens=shard_tokens, log_every=log_every, verbose=verbose,
+        as_json=as_json,
     )  # fmt: skip
 
     def job() -> int:
@@ -587,8 +608,9 @@ def extract(
             options = dataclasses.replace(
                 options, shard=parsed, writer_id=writer_id or parsed.writer_id
             )
-        if _all_stored(options):
-            return EXIT_OK
+        left = _nothing_left(options, lambda: _limits(server_url, servers, model))
+        if left is not None:
+            return left
         if ray:  # the dump roots are on the Ray nodes
             with GracefulStop() as stop:
                 return _extract_ray(options, servers, ray_address, stop)
@@ -598,7 +620,10 @@ def extract(
             with GracefulStop():
                 return _extract_parallel(options, *options.servers[0])
         _warn_small_pages([dump_dir])
-        with GracefulStop() as stop, _server(server_url, dump_dir, model) as (url, root):
+        with (
+            GracefulStop(stop_notice()) as stop,
+            _server(server_url, dump_dir, model) as (url, root),
+        ):
             if options.workers > 1:
                 return _extract_parallel(options, url, root)
             run = functools.partial(_extract, options, url, root, stop)
@@ -628,39 +653,78 @@ def _warn_small_pages(roots: Sequence[Path | None]) -> None:
             console.print(f"[yellow]warning: {warning}[/]", highlight=False, soft_wrap=True)
 
 
-def _all_stored(options: _ExtractOptions) -> bool:
-    """Say so, and end, when the store holds every sample of the dataset: no server needed."""
-    from hsdump._run.common import failures_path_for
+def _limits(server_url: str | None, servers: Path | None, model: Path | None) -> InputLimits:
+    """The input limits of the server a run will use, found without starting one."""
+    from hsdump._client.limits import InputLimits, local_model_config
+    from hsdump._run.inputs import input_limits
+
+    if server_url is not None:
+        return input_limits(server_url)
+    if servers is not None:
+        return InputLimits()  # checked by the run, against each server
+    if model is None:
+        from hsdump._servers.reference import DEFAULT_CONFIG as config
+    else:
+        config = local_model_config(str(model))
+    return InputLimits.from_server_info(
+        {
+            "vocab_size": config.get("vocab_size"),
+            "context_length": config.get("max_position_embeddings"),
+        }
+    )
+
+
+def _nothing_left(options: _ExtractOptions, limits: Callable[[], InputLimits]) -> int | None:
+    """When the store holds every good sample of the dataset, say so and return the exit code
+    (1 when bad lines remain, named with the failures file): no server is started. Else None."""
+    from hsdump._run.common import FailureLog, failures_path_for
     from hsdump._run.inputs import read_dataset
     from hsdump._store.store import open_store
 
     path, store_path = options.dataset, options.out
+    failures = failures_path_for(local_side(store_path))
     try:
         lines = _count_lines(path) if store_may_exist(store_path) else 0
         if not lines:
-            return False
+            return None
         with open_store(store_path, "r") as store:
-            if len(store) < lines:
-                return False  # found without parsing the dataset
-            dataset = read_dataset(path, tokenizer=options.tokenizer_or_none())
+            if len(store) + _rejected_lines(failures) < lines:
+                return None  # found without parsing the dataset
+            dataset = read_dataset(path, limits=limits(), tokenizer=options.tokenizer_or_none())
             if options.shard is not None:
                 dataset = options.shard.select(dataset)
             mismatch = getattr(store, "token_mismatch", lambda sample: None)
-            done = not dataset.bad_lines and all(
-                s.id in store and mismatch(s) is None for s in dataset.samples
-            )
+            done = all(s.id in store and mismatch(s) is None for s in dataset.samples)
     except (OSError, HsdumpError) as exc:
         if is_url(store_path) and isinstance(exc, (ConfigError, StoreIOError)):
             raise  # the URL, credentials or endpoint: said before any server is asked
-        return False  # the run itself reports what is wrong
-    if done:
-        failures_path_for(local_side(store_path)).unlink(missing_ok=True)  # nothing failed
-        console.print(
-            f"done: nothing to extract, {store_path} holds all {len(dataset.samples)} samples of "
-            f"{path} (no server started)",
-            highlight=False,
-        )
-    return done
+        return None  # the run itself reports what is wrong
+    if not done:
+        return None
+    held = f"{store_path} holds all {len(dataset.samples)} samples of {path} (no server started)"
+    if not dataset.bad_lines:
+        failures.unlink(missing_ok=True)  # nothing failed
+        console.print(f"done: nothing to extract, {held}", highlight=False, soft_wrap=True)
+        return EXIT_OK
+    prior = _say_bad_lines(dataset)
+    with FailureLog(failures, prior):  # the file records what is left: these lines
+        pass
+    console.print(
+        f"nothing left to extract: {held}; {len(prior)} dataset lines rejected: see {failures}, "
+        "fix them and rerun",
+        highlight=False,
+        soft_wrap=True,
+    )
+    return EXIT_FAILURES
+
+
+def _rejected_lines(failures: Path) -> int:
+    """Dataset lines the last run rejected, from its failures file (0 without one)."""
+    try:
+        records = [json.loads(line) for line in failures.read_text().splitlines() if line]
+    except (OSError, ValueError):
+        return 0
+    return sum(1 for r in records if isinstance(r, dict) and r.get("attempts") == 0)
 
 
 def _count_lines(path: Path) -> int:
@@ -742,6 +806,9 @@ def verify_store(
             "--drop", help="Drop corrupted samples from the store, so a rerun extracts them again."
         ),
     ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the report as one JSON object on stdout.")
+    ] = False,
 ) -> None:
     """Re-read every committed sample and compare its checksum.
 
@@ -756,6 +823,12 @@ def verify_store(
         from hsdump._store.store import verify_store as verify
 
         report = verify(store, drop=drop)
+        code = EXIT_OK if report.clean else EXIT_FAILURES
+        if as_json:
+            dropped = len(report.corrupted) if drop else 0
+            text = json.dumps({**report.model_dump(mode="json"), "dropped": dropped})
+            out.print(text, markup=False, highlight=False, emoji=False, soft_wrap=True)
+            return code
         for bad in report.corrupted:
             console.print(
                 f"[red]corrupted[/] {bad.sample_id} ({bad.part}): {bad.reason}", highlight=False
@@ -768,7 +841,7 @@ def verify_store(
         )
         if drop and report.corrupted:
             out.print(f"dropped {len(report.corrupted)} corrupted: rerun the extraction")
-        return EXIT_OK if report.clean else EXIT_FAILURES
+        return code
 
     _run_guarded(job)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import signal
 import subprocess
@@ -160,10 +161,11 @@ def test_a_store_error_stops_the_run_with_one_message_and_exit_code_two(fake, tm
     dataset = _dataset(tmp_path / "more.jsonl", *_good(8))
     with FakeServer(tmp_path / "other-dumps", layer_ids=(1, 3, 5), hidden_size=8) as other:
         result = _extract_from(other, tmp_path, dataset)
-        requested = len(other.received)
+        sent = [r.input_ids for r in other.received]
     assert result.exit_code == 2, result.output
     assert result.output.count("error:") == 1 and "layer_ids differs" in result.output
-    assert requested < 8 and _ids(tmp_path) == ["s0", "s1"]
+    assert "another setting than the server at" in result.output
+    assert sent == [[0]] and _ids(tmp_path) == ["s0", "s1"]  # the client's probe, no sample
 
 
 def test_an_unreachable_server_is_a_one_line_error_with_exit_code_two(tmp_path):
@@ -292,21 +294,94 @@ def test_fail_fast_says_it_stopped_at_the_first_failure(fake, tmp_path):
     assert "interrupted" not in result.output
 
 
+def _progress(output):
+    return [x for x in output.splitlines() if x.startswith("progress: ")]
+
+
 def test_progress_lines_where_stderr_is_not_a_terminal(fake, tmp_path):
     dataset = _dataset(tmp_path / "d.jsonl", *_good(3))
     every_sample = _extract_from(fake, tmp_path, dataset, "--log-every", "0")
-    lines = [x for x in every_sample.output.splitlines() if x.startswith("progress: ")]
+    lines = _progress(every_sample.output)
     done = [int(x.split(" samples")[0].removeprefix("progress: ").split("/")[0]) for x in lines]
     # A line at the start, after each sample and after the last commit, counting the samples
     # whose commit is on disk.
     assert len(lines) == 5 and done == sorted(done) and done[0] == 0 and done[-1] == 3
-    assert all(re.search(r"tokens/s, [\d.]+ GB/s, ETA [\d:-]+, 0 failed$", x) for x in lines)
-    (tmp_path / "s.zarr.failures.jsonl").unlink(missing_ok=True)
-    more = _dataset(tmp_path / "more.jsonl", *_good(6))
-    default = _extract_from(fake, tmp_path, more)  # every 30 s: the first line only
-    assert [x for x in default.output.splitlines() if x.startswith("progress: ")] == [
-        next(x for x in default.output.splitlines() if x.startswith("progress: 0/3 samples"))
-    ]
+    pattern = r"\(\d+%\), [\d,]+ tokens/s, [\d,.]+ MB/s, elapsed [\d:]+, ETA [\d:-]+, no failures$"
+    assert all(re.search(pattern, x) for x in lines), lines
+    assert lines[0].startswith("progress: 0/3 samples (0%)")
+    assert lines[-1].startswith("progress: 3/3 samples (100%)")
+
+
+def test_progress_in_a_log_comes_at_each_tenth_and_at_the_end(fake, tmp_path, monkeypatch):
+    monkeypatch.setenv("HSDUMP_COMMIT_INTERVAL_S", "0")  # a commit at each shard of 64 tokens
+    dataset = _dataset(tmp_path / "d.jsonl", *_good(20))
+    lines = _progress(_extract_from(fake, tmp_path, dataset, "--shard-tokens", "64").output)
+    percents = [int(re.search(r"\((\d+)%\)", x)[1]) for x in lines]  # 30 s apart: none came
+    assert percents[0] == 0 and percents[-1] == 100 and len(lines) > 3, lines
+    tenths = [p // 10 for p in percents]
+    assert tenths == sorted(set(tenths)), lines  # one line per tenth passed, no repeats
+
+
+def test_a_rerun_says_it_resumes_and_how_much_is_stored(fake, tmp_path):
+    _extract_from(fake, tmp_path, _dataset(tmp_path / "d.jsonl", *_good(2)))
+    result = _extract_from(fake, tmp_path, _dataset(tmp_path / "d.jsonl", *_good(5)))
+    assert result.exit_code == 0, result.output
+    assert "resuming: 2 of 5 samples already stored" in result.output.splitlines()
+
+
+def test_the_summary_leads_with_counts_and_counts_failures_by_kind(fake, tmp_path):
+    s0 = _good(1)[0]["input_ids"]
+    fake.engine.fault_for = lambda rid, ids: Fault("error_marker") if ids == s0 else None
+    dataset = _dataset(tmp_path / "d.jsonl", *_good(3), "{oops", "nope")
+    result = _extract_from(fake, tmp_path, dataset, "--retries", "0")
+    assert result.exit_code == 1, result.output
+    summary = result.output.split("progress: ")[-1].splitlines()[1:]
+    assert (
+        summary[0].startswith("done: 2 samples written, 0 skipped, ") and "tokens/s" in summary[0]
+    )
+    assert re.match(r"stored [\d.]+ MB, [\d.]+ MB raw \(compression [\d.]+x\)$", summary[1])
+    failures = tmp_path / "s.zarr.failures.jsonl"
+    assert summary[2] == f"1 samples failed, 2 dataset lines rejected: see {failures}"
+    assert len(summary) == 3  # the stages only with -v
+    verbose = _extract_from(fake, tmp_path, dataset, "--retries", "0", "-v")
+    assert "stages (overlapping" in verbose.output and "worker process(es)" in verbose.output
+
+
+def test_extract_json_prints_the_summary_as_one_object_on_stdout(fake, tmp_path):
+    dataset = _dataset(tmp_path / "d.jsonl", *_good(2), "{oops")
+    result = _extract_from(fake, tmp_path, dataset, "--json")
+    assert result.exit_code == 1, result.output
+    summary = json.loads(result.stdout)
+    assert summary["state"] == "done" and summary["samples_written"] == 2
+    assert (summary["samples_failed"], summary["lines_rejected"]) == (0, 1)
+    assert summary["failures_file"] == str(tmp_path / "s.zarr.failures.jsonl")
+    assert summary["tokens"] == 2 + 7 and summary["bytes_stored"] > 0
+    assert "samples written" not in result.stderr  # the JSON replaces the printed summary
+
+
+def test_verify_store_json_prints_the_report_on_stdout(fake, tmp_path):
+    _extract_from(fake, tmp_path, _dataset(tmp_path / "d.jsonl", *_good(2)))
+    result = runner.invoke(cli_app, ["verify-store", str(tmp_path / "s.zarr"), "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert (report["checked"], report["ok"], report["corrupted"], report["duplicates"]) == (
+        2, 2, [], [],
+    )  # fmt: skip
+
+
+def test_a_rerun_with_only_bad_lines_left_starts_no_server(model_dir, tmp_path):
+    dataset = _dataset(tmp_path / "d.jsonl", *_good(2), {"id": "far", "input_ids": [1, 256]})
+    assert _extract(model_dir, tmp_path, dataset).exit_code == 1
+    result = _extract(model_dir, tmp_path, dataset)
+    assert result.exit_code == 1, result.output
+    assert "starting the reference server" not in result.output and "progress:" not in result.output
+    failures = tmp_path / "s.zarr.failures.jsonl"
+    said = result.output.replace("\n", " ")
+    assert "d.jsonl:3: token id 256 at position 1 is outside" in said
+    assert f"nothing left to extract: {tmp_path / 's.zarr'} holds all 2 samples" in said
+    assert f"1 dataset lines rejected: see {failures}" in said
+    (record,) = [json.loads(x) for x in failures.read_text().splitlines()]
+    assert (record["id"], record["line"], record["attempts"]) == ("far", 3, 0)
 
 
 def test_verbose_logs_samples_but_not_each_http_request(fake, tmp_path, caplog):
@@ -390,6 +465,38 @@ def test_a_second_ctrl_c_during_the_cleanup_does_not_abort_it(model_dir, tmp_pat
     assert not run.root.exists()
 
 
+@pytest.mark.slow
+def test_ctrl_c_below_a_live_bar_stops_on_a_line_of_its_own_and_says_how_to_resume(
+    model_dir, tmp_path
+):
+    dataset = _dataset(tmp_path / "d.jsonl", *_many(400))
+    args = [str(dataset), "--out", str(tmp_path / "s.zarr"), "--model", str(model_dir)]
+    env = {**os.environ, "FORCE_COLOR": "1", "COLUMNS": "150"}  # rich draws its live bar
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hsdump", "extract", *args, "--workers", "1"],
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    assert process.stderr is not None
+    seen = b""
+    while b"/400 samples" not in seen:  # the bar counts the run's samples: it has begun
+        chunk = os.read(process.stderr.fileno(), 65536)
+        assert chunk, seen.decode()
+        seen += chunk
+    process.send_signal(signal.SIGINT)
+    _, rest = process.communicate(timeout=60)
+    said = (seen + rest).decode()
+    assert process.returncode == 130, said
+    assert "\nstopping: committing what is done" in said  # not glued onto the bar's line
+    plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", said)
+    kept = re.search(
+        r"^rerun the same command to resume: the store keeps its (\d+) samples$", plain, re.M
+    )
+    assert kept and "Traceback" not in plain, plain
+    with open_store(tmp_path / "s.zarr", "r") as store:
+        assert len(store) == int(kept[1]) < 400
+
+
 def test_stats_shows_the_stores_provenance_above_its_table(tmp_path):
     from store_crash_writer import make_sample
 
@@ -469,3 +576,4 @@ def test_a_dump_root_off_tmpfs_gets_no_page_warning(fake, tmp_path):
     assert small_page_tmpfs(fake.dump_dir) is None  # the premise: tmp_path is not a tmpfs here
     result = _extract_from(fake, tmp_path, _dataset(tmp_path / "d.jsonl", *_good(1)))
     assert result.exit_code == 0 and "4 KB pages" not in result.output
+

@@ -10,9 +10,17 @@ from pydantic import BaseModel, ConfigDict, Field
 from hsdump._exceptions import ProvenanceMismatch
 
 if TYPE_CHECKING:
+    from hsdump._protocol import ProducerManifest
     from hsdump._types import HiddenStates
 
-__all__ = ["SETTING_FIELDS", "Provenance", "check_compatible", "describe", "provenance_of"]
+__all__ = [
+    "SETTING_FIELDS",
+    "Provenance",
+    "check_compatible",
+    "check_server",
+    "describe",
+    "provenance_of",
+]
 
 # Fields that define "the same setting": samples differing in any of these must not share a store.
 # Creation time, hsdump version and codec are informational (they never change the values).
@@ -137,3 +145,26 @@ def check_compatible(store: Provenance, sample: Provenance, *, where: str, sampl
             "(another path), or rerun the server with the store's settings",
             sample_id=sample_id,
         )
+
+
+def check_server(store: Provenance, manifest: ProducerManifest, *, where: str, url: str) -> None:
+    """Raise `ProvenanceMismatch` if the server's producer dumps under another setting than the
+    store's: checked before a run sends any request, as each sample's write would refuse it."""
+    server = Provenance(
+        model_path=manifest.model_path or None,
+        layer_ids=manifest.layer_ids,
+        final_norm=manifest.final_norm,
+        hidden_size=manifest.hidden_size,
+        dtype=manifest.dtype,
+        producer_name=manifest.producer.name,
+        producer_version=manifest.producer.version,
+    )
+    for name in SETTING_FIELDS:
+        have, got = getattr(store, name), getattr(server, name)
+        if have is not None and got is not None and have != got:
+            raise ProvenanceMismatch(
+                f"the store at {where} was made under another setting than the server at {url} "
+                f"dumps: {name} differs (store {have!r}, server {got!r}). One store holds one "
+                "setting: extract into a new store (another --out), or run the server with the "
+                "store's settings"
+            )
