@@ -19,6 +19,7 @@ runner = CliRunner()
 SPECIAL = [
     "<|im_start|>", "<|im_end|>",
     "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+    "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>",
 ]  # fmt: skip
 WORDS = ["<unk>", *SPECIAL, "system", "user", "assistant", "be", "kind", "hi", "hello", "bye", ":"]
 
@@ -32,8 +33,12 @@ LLAMA3 = (
     "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n"
     "{{ m.content }}<|eot_id|>{% endfor %}"
 )
+KIMI = (
+    "{% for m in messages %}<|im_{{ m.role }}|>{{ m.role }}<|im_middle|>{{ m.content }}<|im_end|>"
+    "{% endfor %}"
+)
 UNKNOWN = "{% for m in messages %}{{ m.role }} : {{ m.content }} {% endfor %}"
-UNKNOWN_MARKED = (
+OTHER_MARKED = (
     "{% for m in messages %}{{ m.role }} : {% if m.role == 'assistant' %}{% generation %}"
     "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %} {% endfor %}"
 )
@@ -116,7 +121,15 @@ LLAMA3_MASKED = [
     ("<|start_header_id|>", 0), ("assistant", 0), ("<|end_header_id|>", 0),
     ("bye", 1), ("<|eot_id|>", 1),
 ]  # fmt: skip
-UNKNOWN_MARKED_MASKED = [
+KIMI_MASKED = [
+    ("<|im_system|>", 0), ("system", 0), ("<|im_middle|>", 0), ("be", 0), ("kind", 0),
+    ("<|im_end|>", 0), ("<|im_user|>", 0), ("user", 0), ("<|im_middle|>", 0), ("hi", 0),
+    ("<|im_end|>", 0), ("<|im_assistant|>", 0), ("assistant", 0), ("<|im_middle|>", 0),
+    ("hello", 1), ("hello", 1), ("<|im_end|>", 1),
+    ("<|im_user|>", 0), ("user", 0), ("<|im_middle|>", 0), ("bye", 0), ("<|im_end|>", 0),
+    ("<|im_assistant|>", 0), ("assistant", 0), ("<|im_middle|>", 0), ("bye", 1), ("<|im_end|>", 1),
+]  # fmt: skip
+OTHER_MARKED_MASKED = [
     ("system", 0), (":", 0), ("be", 0), ("kind", 0), ("user", 0), (":", 0), ("hi", 0),
     ("assistant", 0), (":", 0), ("hello", 1), ("hello", 1), ("user", 0), (":", 0), ("bye", 0),
     ("assistant", 0), (":", 0), ("bye", 1),
@@ -129,9 +142,10 @@ UNKNOWN_MARKED_MASKED = [
         (CHATML, CHATML_MASKED),
         (CHATML_PLAIN, CHATML_MASKED),
         (LLAMA3, LLAMA3_MASKED),
-        (UNKNOWN_MARKED, UNKNOWN_MARKED_MASKED),
+        (KIMI, KIMI_MASKED),
+        (OTHER_MARKED, OTHER_MARKED_MASKED),
     ],
-    ids=["chatml-generation-blocks", "chatml-rule", "llama3-rule", "any-generation-blocks"],
+    ids=["chatml-generation", "chatml-rule", "llama3-rule", "kimi-rule", "other-generation"],
 )
 def test_a_chat_is_stored_with_a_mask_of_1_on_the_assistants_tokens_only(
     tmp_path, template, expected

@@ -55,6 +55,7 @@ class TemplateFamily:
 FAMILIES = (
     TemplateFamily("ChatML", "<|im_start|>assistant\n", "<|im_end|>"),
     TemplateFamily("Llama 3", "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
+    TemplateFamily("Kimi K2", "<|im_assistant|>assistant<|im_middle|>", "<|im_end|>"),
 )
 
 
