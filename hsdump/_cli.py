@@ -610,6 +610,7 @@ def extract(
             )
         left = _nothing_left(options, lambda: _limits(server_url, servers, model))
         if left is not None:
+            _remove_stale_dumps(server_url, dump_dir, None if ray else servers)
             return left
         if ray:  # the dump roots are on the Ray nodes
             with GracefulStop() as stop:
@@ -641,6 +642,24 @@ def _check_readable(dataset: Path) -> None:
             pass
     except OSError as exc:
         raise InputError(f"cannot read the dataset {dataset}: {exc.strerror or exc}") from exc
+
+
+def _remove_stale_dumps(
+    server_url: str | None, dump_dir: Path | None, servers: Path | None
+) -> None:
+    """Remove what exited clients left in this node's dump roots, such as the late dump of a timed
+    out request: a run with nothing to extract opens no client, whose start would do it. Dumps
+    of live clients are kept (`hsdump._client.janitor`)."""
+    from hsdump._client.janitor import remove_stale
+    from hsdump._settings import setting
+
+    if servers is not None:
+        roots = [root for _, root in read_servers(servers)]
+    else:
+        roots = [dump_dir or setting("dump_dir")] if server_url is not None else []
+    for root in roots:
+        if root is not None:
+            remove_stale(Path(root))
 
 
 def _warn_small_pages(roots: Sequence[Path | None]) -> None:

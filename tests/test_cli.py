@@ -577,3 +577,42 @@ def test_a_dump_root_off_tmpfs_gets_no_page_warning(fake, tmp_path):
     result = _extract_from(fake, tmp_path, _dataset(tmp_path / "d.jsonl", *_good(1)))
     assert result.exit_code == 0 and "4 KB pages" not in result.output
 
+
+def test_a_rerun_with_nothing_to_extract_removes_late_dumps_of_exited_runs_only(fake, tmp_path):
+    """A dump published after its request timed out and its run exited is removed by the next
+    run, even one that starts no client; a live client's dump is kept."""
+    import anyio
+
+    from hsdump import DumpTimeout, HiddenStateClient, Sample
+
+    dataset = _dataset(tmp_path / "d.jsonl", *_good(2))
+    published, dump = threading.Event(), fake.engine.dump
+
+    def dump_and_tell(rid, ids, *fault):
+        path = dump(rid, ids, *fault)
+        if fault and fault[0].kind == "response_first":
+            published.set()
+        return path
+
+    def extract(*extra):
+        return _extract_from(fake, tmp_path, dataset, *extra)
+
+    async def runs_beside_a_live_client():
+        async with HiddenStateClient(fake.url, dump_dir=fake.dump_dir, dump_timeout=0.1) as live:
+            fake.inject(Fault("no_dump"))
+            with pytest.raises(DumpTimeout):
+                await live.extract(Sample("x", [1, 2, 3]))
+            waited_for = fake.engine.dump(fake.received[-1].rid, [1, 2, 3])
+            fake.engine.dump = dump_and_tell
+            fake.inject(Fault(), Fault("response_first", delay=4.0))  # the run's probe, then s0
+            first = await anyio.to_thread.run_sync(extract, "--dump-timeout", "1", "--retries", "1")
+            assert first.exit_code == 0 and _ids(tmp_path) == ["s0", "s1"], first.output
+            assert await anyio.to_thread.run_sync(published.wait, 30)
+            dumps = [p for p in fake.dump_dir.iterdir() if p.name.startswith("req_")]
+            (late,) = set(dumps) - {waited_for}  # s0's first try, left behind by its run
+            rerun = await anyio.to_thread.run_sync(extract)
+            assert rerun.exit_code == 0 and "nothing to extract" in rerun.output, rerun.output
+            assert not late.exists() and waited_for.exists()
+
+    anyio.run(runs_beside_a_live_client)
+
