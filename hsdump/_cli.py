@@ -696,7 +696,7 @@ def _limits(server_url: str | None, servers: Path | None, model: Path | None) ->
 def _nothing_left(options: _ExtractOptions, limits: Callable[[], InputLimits]) -> int | None:
     """When the store holds every good sample of the dataset, say so and return the exit code
     (1 when bad lines remain, named with the failures file): no server is started. Else None."""
-    from hsdump._run.common import FailureLog, failures_path_for
+    from hsdump._run.common import ExtractionSummary, FailureLog, failures_path_for
     from hsdump._run.inputs import read_dataset
     from hsdump._store.store import open_store
 
@@ -720,21 +720,24 @@ def _nothing_left(options: _ExtractOptions, limits: Callable[[], InputLimits]) -
         return None  # the run itself reports what is wrong
     if not done:
         return None
-    held = f"{store_path} holds all {len(dataset.samples)} samples of {path} (no server started)"
-    if not dataset.bad_lines:
-        failures.unlink(missing_ok=True)  # nothing failed
-        console.print(f"done: nothing to extract, {held}", highlight=False, soft_wrap=True)
-        return EXIT_OK
     prior = _say_bad_lines(dataset)
-    with FailureLog(failures, prior):  # the file records what is left: these lines
+    with FailureLog(failures, prior):  # the file records what is left: these lines, or none
         pass
-    console.print(
-        f"nothing left to extract: {held}; {len(prior)} dataset lines rejected: see {failures}, "
-        "fix them and rerun",
-        highlight=False,
-        soft_wrap=True,
-    )
-    return EXIT_FAILURES
+    held = f"{store_path} holds all {len(dataset.samples)} samples of {path} (no server started)"
+    if options.as_json:  # what a run would report: every sample skipped
+        summary = ExtractionSummary(skipped=len(dataset.samples), failures=prior)
+        summary.finished = summary.started
+        options.report(summary, failures)
+    elif not prior:
+        console.print(f"done: nothing to extract, {held}", highlight=False, soft_wrap=True)
+    else:
+        console.print(
+            f"nothing left to extract: {held}; {len(prior)} dataset lines rejected: see "
+            f"{failures}, fix them and rerun",
+            highlight=False,
+            soft_wrap=True,
+        )
+    return EXIT_FAILURES if prior else EXIT_OK
 
 
 def _rejected_lines(failures: Path) -> int:

@@ -382,6 +382,9 @@ def test_a_rerun_with_only_bad_lines_left_starts_no_server(model_dir, tmp_path):
     assert f"1 dataset lines rejected: see {failures}" in said
     (record,) = [json.loads(x) for x in failures.read_text().splitlines()]
     assert (record["id"], record["line"], record["attempts"]) == ("far", 3, 0)
+    summary = json.loads(_extract(model_dir, tmp_path, dataset, "--json").stdout)
+    assert (summary["samples_written"], summary["samples_skipped"]) == (0, 2)
+    assert (summary["lines_rejected"], summary["failures_file"]) == (1, str(failures))
 
 
 def test_verbose_logs_samples_but_not_each_http_request(fake, tmp_path, caplog):
@@ -615,4 +618,3 @@ def test_a_rerun_with_nothing_to_extract_removes_late_dumps_of_exited_runs_only(
             assert not late.exists() and waited_for.exists()
 
     anyio.run(runs_beside_a_live_client)
-
