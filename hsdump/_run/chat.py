@@ -77,10 +77,8 @@ def tokenize_chat(tokenizer: Any, messages: Any) -> tuple[list[int], list[int]]:
         )
     template = _template(tokenizer)
     if _GENERATION.search(template):
-        ids, mask = _generation_mask(tokenizer, messages)
-    else:
-        ids, mask = _family_mask(tokenizer, messages, template, turns)
-    return ids, mask
+        return _generation_mask(tokenizer, messages)
+    return _family_mask(tokenizer, messages, template, turns)
 
 
 def _template(tokenizer: Any) -> str:
