@@ -1,4 +1,5 @@
-"""The single entry point for checks: `nox -s tests`, `lint`, `mypy`, `docs`, `bench`, `compat`."""
+"""The single entry point for checks: `nox -s tests`, `lint`, `mypy`, `docs`, `bench`, `compat`,
+`interop`."""
 
 from __future__ import annotations
 
@@ -82,6 +83,29 @@ def bench(session: nox.Session) -> None:
     flags = [arg for arg in session.posargs if arg in ("--quick", "--strict")]
     for script in ("bench_store.py", "bench_pipeline.py", "bench_scale.py"):
         session.run(sys.executable, f"benchmarks/{script}", *flags, external=True)
+
+
+# The trainers whose readers and batches tests/interop checks hsdump against.
+SPECULATORS = "speculators==0.9.0"
+SPECFORGE = "specforge==0.2.0"
+
+
+@nox.session
+def interop(session: nox.Session) -> None:
+    """The exports and the trainers' batches against the real SpecForge and speculators (CPU).
+
+    Not in the default sessions: it installs both trainers (about 2 minutes, 1.5 GB with torch)
+    into nox's own environment. speculators pulls CUDA builds of torchvision and torchaudio that
+    break transformers on CPU torch and that it never imports: they are removed. SpecForge pins
+    torch 2.11 and SGLang, which its offline readers do not import: it goes in without them.
+    """
+    # Not the [test] extra: its s3fs pins an fsspec that speculators' datasets (<= 5.1) refuses.
+    session.install(
+        "-c", "constraints.txt", "-e", ".[export]", "pytest>=8", "pytest-timeout>=2.3", SPECULATORS
+    )  # fmt: skip
+    session.run("python", "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio")
+    session.install("--no-deps", SPECFORGE)
+    session.run("pytest", "-p", "no:cacheprovider", "tests/interop", *session.posargs)
 
 
 @nox.session

@@ -8,6 +8,10 @@ accelerator, and the step timer's accelerator synchronisation is skipped.
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +26,7 @@ hs_connectors = pytest.importorskip("hs_connectors")
 sp_data = pytest.importorskip("speculators.train.data")
 sp_dataloader = pytest.importorskip("speculators.train.dataloader")
 sp_sampler = pytest.importorskip("speculators.train.distributed_batch_sampler")
-sp_trainer = pytest.importorskip("speculators.train.trainer")
-sp_cli = pytest.importorskip("speculators.train.cli")
 from speculators.models.eagle3.data import shift_batch  # noqa: E402
-from speculators.train.config import TrainConfig  # noqa: E402
 
 pytestmark = [
     # speculators' loaders pin memory and autocast for CUDA; on CPU torch says it skips both.
@@ -36,6 +37,7 @@ pytestmark = [
 ]
 
 TOTAL_SEQ_LEN = 48  # below the sum of a few samples: packing cuts and drops items
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "training.md"
 
 
 @pytest.fixture(scope="module")
@@ -106,21 +108,35 @@ def test_packing_that_cuts_an_item_matches_collate_fn(export: Path, pre_norm: Pa
         _assert_bit_equal(collate([ours[i] for i in batch]), want)
 
 
-def test_one_training_step_from_the_store_equals_one_from_the_export(
-    export: Path, pre_norm: Path, verifier: tuple[object, Path], tmp_path: Path, monkeypatch: Any
+def test_the_docs_token_frequencies_equal_the_exports(
+    export: Path, pre_norm: Path, tmp_path: Path, monkeypatch: Any
 ) -> None:
-    """speculators' own `train` entry point, once on the export and once with its loaders
-    replaced by loaders over the store: the same weights and validation losses come out."""
-    monkeypatch.setattr(sp_trainer, "get_local_rank", lambda: "cpu")
-    monkeypatch.setattr(torch.accelerator, "synchronize", lambda device=None: None)
-    from_export = _train(export, verifier[1], tmp_path / "export")
+    (code,) = [b for b in _docs_blocks() if "bincount" in b]
+    (tmp_path / "work").mkdir()
+    monkeypatch.chdir(tmp_path)
+    exec(code.replace('"hs.zarr"', repr(str(pre_norm))), {"vocab_size": 2048})
+    want = torch.load(export / "token_freq.pt", weights_only=True)
+    assert torch.load(tmp_path / "work" / "token_freq.pt", weights_only=True) == want
 
-    def store_loaders(**kwargs: Any) -> tuple[DataLoader, DataLoader]:
-        assert kwargs["data_path"] == str(export) and kwargs["seed"] == 42
-        return _our_loaders(pre_norm, _order(export), seed=kwargs["seed"])
 
-    monkeypatch.setattr(sp_cli, "create_train_val_loaders", store_loaders)
-    from_store = _train(export, verifier[1], tmp_path / "store")
+def test_one_training_step_from_the_store_equals_one_from_the_export(
+    export: Path, pre_norm: Path, verifier: tuple[object, Path], tmp_path: Path
+) -> None:
+    """`python -m speculators.train` on the export, and the docs' script that runs it with its
+    loaders reading the store: the same weights and validation losses come out."""
+    (script,) = [b for b in _docs_blocks() if "train_from_store.py" in b]
+    (tmp_path / "train_from_store.py").write_text(script)
+    (tmp_path / "work").mkdir()
+    flags = _train_flags(verifier[1])
+    from_export = _train(["speculators.train", "--data-path", str(export), *flags], tmp_path / "e")
+    script_args = [str(tmp_path / "train_from_store.py"), str(pre_norm)]
+    work = [
+        "--data-path",
+        str(tmp_path / "work"),
+        "--token-freq-path",
+        str(export / "token_freq.pt"),
+    ]
+    from_store = _train([*script_args, *work, *flags], tmp_path / "s")
     assert from_export["metrics"] == from_store["metrics"]
     assert from_export["metrics"]["loss_epoch"] > 0
     assert from_export["weights"].keys() == from_store["weights"].keys()
@@ -170,18 +186,50 @@ def _our_loader(store: Path, ids: list[str], *, seed: int) -> DataLoader:
     return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate)
 
 
-def _train(data: Path, verifier: Path, out: Path) -> dict[str, Any]:
-    argv = [
-        "--verifier-name-or-path", str(verifier), "--data-path", str(data),
-        "--save-path", str(out / "ckpt"), "--log-dir", str(out / "logs"),
+# speculators' trainer on the CPU: the model and batches go to "cpu" instead of the local rank's
+# accelerator, and the step timer does not synchronise one. Then the module or script runs.
+_ON_CPU = """
+import runpy, sys, torch
+import speculators.train.trainer as trainer
+trainer.get_local_rank = lambda: "cpu"
+torch.accelerator.synchronize = lambda device=None: None
+target = sys.argv.pop(1)
+sys.argv[0] = target
+if target.endswith(".py"):
+    runpy.run_path(target, run_name="__main__")
+else:
+    runpy.run_module(target, run_name="__main__", alter_sys=True)
+"""
+
+
+def _train_flags(verifier: Path) -> list[str]:
+    return [
+        "--verifier-name-or-path", str(verifier),
         "--total-seq-len", str(TOTAL_SEQ_LEN), "--max-steps", "1", "--epochs", "1",
         "--loss-implementation", "eager", "--draft-attn-impl", "sdpa",
         "--on-missing", "raise", "--num-workers", "0", "--target-layer-ids", "2", "4", "5",
         "--draft-vocab-size", "256", "--mask-token-id", "0", "--hidden-states-dtype", "bfloat16",
     ]  # fmt: skip
-    sp_cli.main(TrainConfig.resolve(argv))
-    (checkpoint,) = (out / "ckpt").glob("0")
+
+
+def _train(args: list[str], out: Path) -> dict[str, Any]:
+    """One step and a validation pass; single-threaded, so both runs sum in the same order."""
+    save = ["--save-path", str(out / "ckpt"), "--log-dir", str(out / "logs")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", _ON_CPU, *args, *save], env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    checkpoint = out / "ckpt" / "0"
     return {
         "metrics": json.loads((checkpoint / "val_metrics.json").read_text()),
         "weights": load_file(checkpoint / "model.safetensors"),
     }
+
+
+def _docs_blocks() -> list[str]:
+    """The python blocks of docs/training.md's speculators section."""
+    text = DOCS.read_text()
+    start = text.index("\n## speculators\n")
+    section = text[start : text.index("\n## ", start + 1)]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
