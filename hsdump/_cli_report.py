@@ -16,14 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import (
-    BarColumn,
-    Progress,
-    TaskProgressColumn,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+from rich.table import Column
 
 if TYPE_CHECKING:
     from hsdump import ExtractionSummary
@@ -54,7 +48,11 @@ def _failures_text(summary: ExtractionSummary) -> str:
 
 
 def _clock(seconds: float | None) -> str:
-    return "-:--:--" if seconds is None else time.strftime("%H:%M:%S", time.gmtime(seconds))
+    """``H:MM:SS``, as rich's live bar shows the elapsed time."""
+    if seconds is None:
+        return "-:--:--"
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02}:{secs:02}"
 
 
 def _percent(summary: ExtractionSummary) -> float:
@@ -80,31 +78,36 @@ class _ProgressView(_Resuming):
         self.summary: ExtractionSummary | None = None
         self._progress = Progress(
             TextColumn("[bold]extract"),
-            BarColumn(),
+            BarColumn(bar_width=10),
             TaskProgressColumn(),
-            TextColumn("{task.fields[samples]} samples"),
-            TextColumn("{task.fields[rate]}"),
             TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
-            TextColumn("{task.fields[failed]}"),
+            # One column: on a narrow terminal its end is cut, not every figure.
+            TextColumn("{task.fields[figures]}", table_column=Column(no_wrap=True, ratio=1)),
             console=console,
             transient=False,
+            expand=True,
         )
-        self._task = self._progress.add_task("extract", total=None, samples="", rate="", failed="")
+        self._task = self._progress.add_task("extract", total=None, figures="")
 
     def __call__(self, summary: ExtractionSummary) -> None:
         self.summary = summary
         self.resuming(summary)
         ratio = "-" if math.isnan(summary.ratio) else f"{summary.ratio:.2f}x"
-        failed = "" if not summary.failures else f"[red]{escape(_failures_text(summary))}"
+        samples, lines = _failed(summary)
+        failed = [f"{samples} failed"] * bool(samples) + [f"{lines} bad lines"] * bool(lines)
+        figures = (
+            f"ETA {_clock(summary.eta_s)} {summary.samples_done}/{summary.samples_total} samples"
+        )
+        if failed:
+            figures += f" [red]{', '.join(failed)}[/]"
+        figures += (
+            f" {summary.tokens_per_s:,.0f} tok/s {summary.bytes_per_s / 1e6:,.1f} MB/s {ratio}"
+        )
         self._progress.update(
             self._task,
             total=summary.tokens_total,
             completed=summary.tokens_done,
-            samples=f"{summary.samples_done}/{summary.samples_total}",
-            rate=f"{summary.tokens_per_s:,.0f} tok/s {summary.bytes_per_s / 1e6:,.1f} MB/s {ratio}",
-            failed=failed,
+            figures=figures,
         )
 
     def __enter__(self) -> _ProgressView:
