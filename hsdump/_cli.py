@@ -329,6 +329,7 @@ def _extract_parallel(options: _ExtractOptions, url: str, dump_dir: Path | None)
     # torch, so the workers start (and import it) seconds sooner.
     dataset, prior = _read_dataset(options, input_limits(url))
     failures_path = failures_path_for(local_side(options.out))
+    stopped: KeyboardInterrupt | None = None
     with progress_view(options.log_every) as view:
         try:
             summary = run_parallel_extraction(
@@ -343,11 +344,13 @@ def _extract_parallel(options: _ExtractOptions, url: str, dump_dir: Path | None)
                 client_options=options.client_options(),
                 store_options=options.store_options(),
             )
-        except KeyboardInterrupt:
-            if view.summary is not None:
-                view.summary.interrupted = True
-                options.report(view.summary, failures_path, signalled=True)
-            raise
+        except KeyboardInterrupt as exc:
+            stopped = exc
+    if stopped is not None:  # the summary goes under the bar, once the bar is gone
+        if view.summary is not None:
+            view.summary.interrupted = True
+            options.report(view.summary, failures_path, signalled=True)
+        raise stopped
     options.report(summary, failures_path)
     return EXIT_OK if summary.ok else EXIT_FAILURES
 

@@ -6,6 +6,7 @@ import contextlib
 import json
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -183,14 +184,16 @@ def test_what_the_server_answers_through_the_parent_reaches_the_worker_as_its_er
 # -- the CLI in a process of its own: signals and SIGKILL ---------------------------------------
 
 
-def _cli(server: FakeServer, tmp_path: Path, n: int) -> subprocess.Popen[bytes]:
+def _cli(
+    server: FakeServer, tmp_path: Path, n: int, concurrency: int = 2
+) -> subprocess.Popen[bytes]:
     dataset = tmp_path / "d.jsonl"
     rows = [{"id": s.id, "input_ids": list(s.input_ids)} for s in _samples(n)]
     dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cmd = [
         sys.executable, "-m", "hsdump", "extract", str(dataset),
         "--out", str(tmp_path / "s.zarr"), "--server-url", server.url, "--dump-dir",
-        str(server.dump_dir), "--workers", "2", "--concurrency", "2",
+        str(server.dump_dir), "--workers", "2", "--concurrency", str(concurrency),
     ]  # fmt: skip
     with (tmp_path / "stderr.log").open("ab") as err:
         return subprocess.Popen(cmd, stderr=err, start_new_session=True)
@@ -246,6 +249,28 @@ def test_a_signal_stops_every_worker_and_leaves_nothing_behind(fake, tmp_path, s
     assert _dumps_left(fake) == [] and "Traceback" not in err
     stored = _committed(tmp_path / "s.zarr")
     assert 0 < stored < 200 and verify_store(tmp_path / "s.zarr").clean
+
+
+@pytest.mark.slow
+def test_ctrl_c_sends_nothing_more_and_reports_what_the_store_holds(fake, tmp_path) -> None:
+    fake.engine.latency = 0.1
+    arrived, _ = count_requests(fake)
+    proc = _cli(fake, tmp_path, 200, concurrency=1)
+    _wait_for_commits(proc, tmp_path / "s.zarr", 1)
+    before = len(arrived)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C in a terminal reaches the whole process group
+    proc.wait(timeout=60)
+    err = (tmp_path / "stderr.log").read_text()
+    assert proc.returncode == 130, err
+    # Only the request posted as the signal came reaches the server: the workers' queued samples
+    # (four each) are dropped, not sent.
+    assert len(arrived) - before <= 1, err
+    assert _group_gone(proc.pid), "a worker outlived the run"
+    summary = err[err.index("interrupted") :]
+    written = re.search(r"(\d+) samples written", summary)
+    assert written and int(written[1]) == _committed(tmp_path / "s.zarr") > 0, err
+    assert "progress:" not in summary, "the progress bar came back under the summary"
+    assert _dumps_left(fake) == [] and verify_store(tmp_path / "s.zarr").clean
 
 
 @pytest.mark.slow
@@ -315,7 +340,7 @@ def test_extract_spreads_a_dataset_over_the_servers_in_a_servers_file(tmp_path) 
         (tmp_path / "servers.json").write_text(json.dumps(listing))
         args = ["extract", str(dataset), "--out", str(tmp_path / "s.zarr"), "--servers"]
         result = CliRunner().invoke(
-            cli_app, [*args, str(tmp_path / "servers.json"), "--workers", "1"]
+            cli_app, [*args, str(tmp_path / "servers.json"), "--workers", "1", "-v"]
         )
     assert result.exit_code == 0, result.output
     assert sorted(_contents(tmp_path / "s.zarr")) == sorted(r["id"] for r in rows)

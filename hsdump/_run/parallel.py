@@ -14,8 +14,9 @@ out, and its answer comes back, without waiting for a worker's busy interpreter.
 
 Failures: a worker that dies keeps its part's committed samples. This process reads the store to
 see which of the samples it gave that worker are committed, gives the rest to the others, and
-restarts the worker on the same part (a few times at most). Stopping (Ctrl-C, SIGTERM) tells every
-worker to finish the store write in flight, commit, remove its dumps and exit; a worker whose parent
+restarts the worker on the same part (a few times at most). Stopping (Ctrl-C, SIGTERM) sends no
+further request and tells every worker to cancel its run, as Ctrl-C does in one process: it
+finishes the store writes in flight, commits, removes its dumps and exits; a worker whose parent
 dies gets SIGTERM from the kernel and does the same.
 """
 
@@ -30,10 +31,13 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
+from hsdump._client.sending import ServerAnswer
 from hsdump._cores import cores
 from hsdump._exceptions import ConfigError, HsdumpError, WorkerError
+from hsdump._protocol import remove_dump, request_dir
 from hsdump._run.common import (
     ExtractionSummary,
     Failure,
@@ -45,6 +49,7 @@ from hsdump._run.common import (
 )
 from hsdump._run.posting import Ask, ParentPosts
 from hsdump._run.worker import STOP_GRACE_S, WorkerSpec, worker_main
+from hsdump._settings import setting
 from hsdump._types import Sample
 
 __all__ = ["committed_ids", "run_parallel_extraction"]
@@ -105,7 +110,8 @@ class _Parallel:
         self.workers: list[_Worker] = []
         self.tally = Tally(summary, options.progress)
         self.lost: dict[int, str] = {}  # servers whose workers could not open
-        self.stopping = False
+        self.stopping = False  # no more samples are given out (a stop, or fail-fast)
+        self.cancelled = False  # a stop: the workers cancel their runs, no more requests are sent
         self._ready = False
 
     def run(self) -> None:
@@ -170,6 +176,8 @@ class _Parallel:
             return
         kind = message[0]
         if kind == "post":
+            if self.cancelled:
+                return  # a stopped worker cancels what waits for an answer: nothing more is sent
             _, rid, sample_id, body = message
             asked = time.perf_counter()
             self.posts.ask(Ask(worker, worker.spec.server, rid, sample_id, body, asked))
@@ -193,9 +201,12 @@ class _Parallel:
         logger.warning("leaving %s out of this run: %s", worker.spec.url, reason)
 
     def _answer(self) -> None:
-        """Each answer in goes to the worker that asked (dropped if it is gone)."""
+        """Each answer in goes to the worker that asked; if it is gone or stopped, nobody reads
+        the dump, which is removed here."""
         for ask, outcome in self.posts.answers():
-            if ask.owner.exited:
+            if ask.owner.exited or self.cancelled:
+                if isinstance(outcome, ServerAnswer):
+                    remove_dump(request_dir(_dump_root(ask.owner.spec), ask.rid))
                 continue
             if isinstance(outcome, HsdumpError):
                 payload: Any = (type(outcome).__name__, outcome.message)
@@ -273,17 +284,23 @@ class _Parallel:
         self._drain()
 
     def _stop(self) -> None:
-        self.stopping = True
+        self.stopping = self.cancelled = True
         self.pending.clear()
         for worker in self._live():
+            self.posts.forget(worker)  # requests not posted yet are not sent
             with contextlib.suppress(OSError):
                 worker.conn.send(("stop",))
         self._drain()
 
     def _drain(self) -> None:
+        """Wait for the workers to end, then for the requests still at a server (their dumps are
+        removed as their answers come in)."""
         deadline = time.monotonic() + STOP_GRACE_S
         while self._live() and time.monotonic() < deadline:
             self._wait_once()
+        while self.posts.posted and time.monotonic() < deadline:
+            if multiprocessing.connection.wait([self.posts.wakeup], timeout=1.0):
+                self._answer()
 
     def _reap(self) -> None:
         for worker in self.workers:
@@ -393,6 +410,11 @@ def committed_ids(store: str) -> set[str]:
             return opened.committed_ids()
     except HsdumpError:
         return set()
+
+
+def _dump_root(spec: WorkerSpec) -> Path:
+    """The dump root a worker's client reads (as `HiddenStateClient` resolves it)."""
+    return Path(spec.dump_dir) if spec.dump_dir is not None else Path(setting("dump_dir"))
 
 
 def _share_budget(options: Mapping[str, Any], workers: int) -> dict[str, Any]:

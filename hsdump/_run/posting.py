@@ -64,6 +64,11 @@ class ParentPosts:
         self._waiting[ask.server].append(ask)
         self._start(ask.server)
 
+    @property
+    def posted(self) -> int:
+        """Requests at the servers now (posted, not answered yet)."""
+        return sum(self._busy.values())
+
     def forget(self, owner: Any) -> None:
         """Drop what ``owner`` asked that is not posted yet (it died or ended)."""
         for server, waiting in self._waiting.items():
