@@ -6,8 +6,9 @@ Four targets (`HOOKS`, which `sglang_patch.plugin` registers):
   before CUDA graphs are captured, and records the layers it actually captures.
 * ``LogitsProcessor._get_hidden_states_to_store`` (AROUND): under full capture, appends the
   final hidden state to the packed aux states, so one ``[T, (K+1)*H]`` tensor flows through
-  SGLang's own (graph-safe, trimmed) output path. That is the post-norm lm_head input, or with
-  ``HSDUMP_FINAL_NORM=pre_norm`` the final norm's input, which `tap_final_norm` keeps.
+  SGLang's own (graph-safe, trimmed) output path. That is the post-norm lm_head input; with
+  ``HSDUMP_FINAL_NORM=pre_norm`` the model has appended its final norm's input itself
+  (`sglang_patch._prenorm`).
 * ``TpModelWorker.forward_batch_generation`` (AROUND): after each prefill forward, stages the rows
   of opted-in requests (the `Dumper`).
 * ``Scheduler.__init__`` (AFTER): checks versions, flags and parallelism, starts the dumper on
@@ -38,6 +39,7 @@ from hsdump._protocol import (
     write_manifest,
 )
 from sglang_patch._config import PluginConfig, load_config
+from sglang_patch._prenorm import capture_pre_norm
 
 __all__ = [
     "HOOKS",
@@ -49,7 +51,6 @@ __all__ = [
     "around_hidden_states_to_store",
     "find_capture_module",
     "remove_stale_tmp_dirs",
-    "tap_final_norm",
 ]
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,6 @@ class _State:
     hidden_size: int = 0
     startup_errors: list[str] = field(default_factory=list)
     dumper: Any = None
-    pre_norm: Any = None
 
 
 #: What the hooks of this process learned: the settings, the captured layers, start-up problems
@@ -132,31 +132,6 @@ def _check_layer_range(model: Any, layer_ids: tuple[int, ...]) -> None:
         )
 
 
-def tap_final_norm(model: Any) -> None:
-    """Keep the final norm's input, the pre-norm final state, for `around_hidden_states_to_store`.
-
-    The final norm is the capture module's ``norm``. Called with a residual it is SGLang's fused
-    add-and-norm, which writes ``hidden + residual`` into the residual it returns second. The
-    norm and the logits processor run in one forward, so under a CUDA graph the state appended
-    is read from the graph's own buffer on every replay.
-    """
-    module = find_capture_module(model)
-    norm = getattr(module, "norm", None)
-    if norm is None:
-        raise RuntimeError(
-            f"{type(module).__name__} has no final norm (.norm): HSDUMP_FINAL_NORM=pre_norm "
-            "cannot be captured for this architecture; unset it to dump the post-norm state"
-        )
-    forward = norm.forward
-
-    def tapped(x: Any, *args: Any, **kwargs: Any) -> Any:
-        out = forward(x, *args, **kwargs)
-        STATE.pre_norm = out[1] if isinstance(out, tuple) else x
-        return out
-
-    norm.forward = tapped
-
-
 def after_configure_capture(result: Any, *args: Any, **kwargs: Any) -> Any:
     """AFTER ``configure_aux_hidden_state_capture``: turn on and record aux-layer capture."""
     model: Any = kwargs.get("model", args[0] if args else None)
@@ -164,7 +139,7 @@ def after_configure_capture(result: Any, *args: Any, **kwargs: Any) -> Any:
         config = STATE.config = load_config()
         STATE.layer_ids = configure_capture(model, config.layer_ids)
         if config.final_norm == "pre_norm":
-            tap_final_norm(model)
+            capture_pre_norm(find_capture_module(model))
         text_config = getattr(model.config, "text_config", model.config)
         STATE.hidden_size = int(text_config.hidden_size)
     except (RuntimeError, ValueError) as exc:
@@ -188,25 +163,12 @@ def around_hidden_states_to_store(
     metadata = kwargs.get("logits_metadata", args[-1] if args else None)
     if stored is None or aux_hidden_states is None or not _full_capture(metadata):
         return stored
+    if STATE.config is not None and STATE.config.final_norm == "pre_norm":
+        return stored  # the model appended its final norm's input to the aux states
     import torch
 
     # hidden_states is the lm_head input: the post-norm final state of every token.
-    final, STATE.pre_norm = _final_state(hidden_states), None
-    return torch.cat([stored, final.to(stored.dtype)], dim=-1)
-
-
-def _final_state(post_norm: Any) -> Any:
-    if STATE.config is None or STATE.config.final_norm == "post_norm":
-        return post_norm
-    pre_norm = STATE.pre_norm
-    if pre_norm is None or tuple(pre_norm.shape) != tuple(post_norm.shape):
-        # Never dump another tensor as the final state: stopping the forward is the lesser harm.
-        raise RuntimeError(
-            "hsdump: the final norm's input was not seen in this forward (or has shape "
-            f"{None if pre_norm is None else tuple(pre_norm.shape)}, not "
-            f"{tuple(post_norm.shape)}): unset HSDUMP_FINAL_NORM to dump the post-norm state"
-        )
-    return pre_norm
+    return torch.cat([stored, hidden_states.to(stored.dtype)], dim=-1)
 
 
 def _full_capture(metadata: Any) -> bool:

@@ -65,6 +65,8 @@ STANDINS = {
                     aux_hidden_states, pruned_states, pruned_states_before_norm,
                     aux_pruned_states, sample_indices, logits_metadata):
                 if aux_hidden_states is not None and logits_metadata.capture_hidden_mode.is_full():
+                    if isinstance(aux_hidden_states, torch.Tensor):  # SGLang's packer
+                        return aux_hidden_states
                     return torch.cat(aux_hidden_states, dim=-1)
                 return None
     """,
@@ -120,6 +122,10 @@ class Inner(torch.nn.Module):
         self.layers_to_capture = []
         if not SCENARIO.get("no_norm"):
             self.norm = FusedNorm()
+    def forward(self, aux, pre_norm):  # as a decoder stack ends: the final norm, then the outputs
+        half = pre_norm / 2  # the last layer's output and its residual sum to the pre-norm state
+        post_norm, _ = self.norm(half, half.clone()) if hasattr(self, "norm") else (half, 0)
+        return post_norm, (torch.cat(aux, dim=-1) if SCENARIO.get("packed") else list(aux))
 
 class Model(torch.nn.Module):
     def __init__(self, deepseek):
@@ -166,10 +172,9 @@ def states(n, seed):
 def run(batch):
     total = sum(batch.extend_lens) + 2  # two padding rows
     aux_and_final = states(total, batch.seed)
-    half = aux_and_final[-1] / 2  # the last layer's output and residual: they sum to pre-norm
-    post_norm, _ = core.model.norm(half, half.clone()) if hasattr(core.model, "norm") else (half, 0)
+    post_norm, aux = core.model(aux_and_final[:-1], aux_and_final[-1])
     metadata = SimpleNamespace(capture_hidden_mode=CaptureHiddenMode.FULL)
-    return post_norm, aux_and_final[:-1], metadata
+    return post_norm, aux, metadata
 
 class Req:
     def __init__(self, rid, n):
@@ -255,10 +260,12 @@ def test_a_prefill_is_dumped_through_sglangs_hook_registry(tmp_path, hook_regist
     assert "hsdump: dump active on tp rank 0" in proc.stderr
 
 
-@pytest.mark.parametrize("wrapped", [False, True])
-def test_the_pre_norm_final_state_is_dumped_when_asked(tmp_path, hook_registry_source, wrapped):
+@pytest.mark.parametrize(
+    "scenario", [{}, {"wrapped": True}, {"packed": True}, {"wrapped": True, "packed": True}]
+)
+def test_the_pre_norm_final_state_is_dumped_when_asked(tmp_path, hook_registry_source, scenario):
     env = {"HSDUMP_FINAL_NORM": "pre_norm"}
-    proc, out, dump = run_server(tmp_path, hook_registry_source, {"wrapped": wrapped}, env=env)
+    proc, out, dump = run_server(tmp_path, hook_registry_source, scenario, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     a = read_dump(dump / "req_hsdump-a")
     expected = np.array(out["a_pre_norm"], np.float32)
