@@ -16,7 +16,6 @@ import asyncio
 import json
 import multiprocessing
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -112,7 +111,7 @@ def extract(
     cmd = [
         "hsdump", "extract", str(data), "--out", str(work / "store.zarr"), "--server-url",
         args.url, "--dump-dir", args.dump_dir, "--concurrency", str(conc), "--retries", "0",
-        "--workers", str(args.workers),
+        "--workers", str(args.workers), "--json",
     ]  # fmt: skip
     t0, host0, server0 = time.perf_counter(), host_cpu_s(), server_cpu_s()
     vm0 = vmstat()
@@ -126,9 +125,9 @@ def extract(
     with CpuTrace() as trace:
         lines = []
         assert proc.stdout is not None
-        for line in proc.stdout:  # the "done:" line's time ends the run's window
+        for line in proc.stdout:  # the summary's time ends the run's window
             lines.append(line)
-            if line.startswith("done:"):
+            if line.startswith(_SUMMARY):
                 trace.mark()
         proc.wait(timeout=400)
     text = "".join(lines)
@@ -136,18 +135,16 @@ def extract(
     vm = {k: v - vm0.get(k, 0) for k, v in vmstat().items()}
     host_busy = (host_cpu_s() - host0) / wall
     server_busy = (server_cpu_s() - server0) / wall
-    seconds = re.search(r"([\d.]+) s, [\d,]+ tokens/s", text)
-    window = trace.window(float(seconds.group(1))) if seconds else {}
+    summary = next((json.loads(x) for x in reversed(lines) if x.startswith(_SUMMARY)), {})
+    window = trace.window(summary["wall_s"]) if summary else {}
     print_spy(args, spy, f"extract-{where.name}-{conc}", "hsdump extract and its workers")
     (args.out / "kimi_extract.log").open("a").write(f"## {where} {conc}\n{text[-3000:]}\n")
-    found = re.search(r"done: .*?([\d,]+) tokens/s", text)
-    busy = re.search(r"([\d.]+) cores busy, peak memory ([\d.]+) GB", text)
     return {
         "rc": proc.returncode,
-        "tok_per_s": int(found.group(1).replace(",", "")) if found else 0,
+        "tok_per_s": int(summary.get("tokens_per_s", 0)),
         "process_wall_s": round(wall, 2),
-        "cores_busy": float(busy.group(1)) if busy else None,
-        "peak_rss_gb": float(busy.group(2)) if busy else None,
+        "cores_busy": summary.get("cores_busy"),
+        "peak_rss_gb": round(summary["peak_rss_bytes"] / 1e9, 2) if summary else None,
         "host_cores_busy": round(host_busy, 1),
         "server_cores_busy": round(server_busy, 1),
         **window,
@@ -155,6 +152,8 @@ def extract(
         "store": str(work / "store.zarr"),
     }
 
+
+_SUMMARY = '{"state"'  # the line of hsdump extract --json's summary
 
 VMSTAT = ("pgfault", "numa_hint_faults", "numa_pages_migrated", "thp_fault_fallback",
           "compact_stall", "pgmigrate_success", "thp_fault_alloc")  # fmt: skip

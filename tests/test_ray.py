@@ -246,7 +246,7 @@ def test_extract_ray_runs_a_servers_file_with_nodes(cluster, servers, tmp_path) 
     ]
     (tmp_path / "servers.json").write_text(json.dumps(listing))
     args = ["extract", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "s.zarr"), "--servers"]
-    args += [str(tmp_path / "servers.json"), "--ray", "--ray-address", cluster.address]
+    args += [str(tmp_path / "servers.json"), "--ray", "--ray-address", cluster.address, "-v"]
     result = CliRunner().invoke(cli_app, args)
     assert result.exit_code == 0, result.output
     assert sorted(stored_bits(tmp_path / "s.zarr")) == sorted(r["id"] for r in rows)
