@@ -24,6 +24,10 @@ class GpuServer:
         radix: whether the server's radix cache is on.
         layers: the aux layer ids the stage configured, or None for the model's default.
         final_norm: the final state the server dumps (``HSDUMP_FINAL_NORM``, default post_norm).
+        moe: whether the model routes tokens to experts (``GPU_CHECK_MOE=1``): a bf16 near-tie
+            there picks another expert in SGLang than in transformers, so a token's state may
+            differ by more than rounding, and only the noise-floor check of ``hsdump verify``
+            judges the layers.
     """
 
     stage: str
@@ -34,6 +38,7 @@ class GpuServer:
     radix: bool
     layers: list[int] | None
     final_norm: str = "post_norm"
+    moe: bool = False
 
     @classmethod
     def from_env(cls) -> GpuServer | None:
@@ -55,6 +60,7 @@ class GpuServer:
             radix=os.environ.get("GPU_CHECK_RADIX") == "1",
             layers=[int(x) for x in layers.split(",")] if layers else None,
             final_norm=os.environ.get("HSDUMP_FINAL_NORM") or "post_norm",
+            moe=os.environ.get("GPU_CHECK_MOE") == "1",
         )
 
     def record(self, kind: str, result: dict[str, object]) -> None:

@@ -150,17 +150,18 @@ for stage in $STAGES; do
             tiny tiny_b 2,4,5 sglang.launch_server --cuda-graph-max-bs 16
             unset HSDUMP_DUMP_DIR ;;
     pre_llama) export HSDUMP_DUMP_DIR=/dev/shm/hsdump-pre HSDUMP_FINAL_NORM=pre_norm
-            tiny pre_llama 2,4,5 sglang.launch_server --cuda-graph-max-bs 16
+            CHECKS=tests/gpu/test_tiny.py tiny pre_llama 2,4,5 sglang.launch_server --cuda-graph-max-bs 16
             keep_store pre_llama
             unset HSDUMP_DUMP_DIR HSDUMP_FINAL_NORM ;;
     pre_deepseek) make_model deepseek /tmp/ds
             export HSDUMP_DUMP_DIR=/dev/shm/hsdump-ds HSDUMP_FINAL_NORM=pre_norm
-            CHECKS=tests/gpu/test_tiny.py served pre_deepseek "" /tmp/ds /tmp/ds sglang.launch_server \
+            GPU_CHECK_MOE=1 CHECKS=tests/gpu/test_tiny.py \
+              served pre_deepseek "" /tmp/ds /tmp/ds sglang.launch_server \
               --mem-fraction-static 0.5 --cuda-graph-max-bs 16
             unset HSDUMP_DUMP_DIR HSDUMP_FINAL_NORM ;;
     kimi25) make_model deepseek /tmp/ds; make_model kimi25 /tmp/k25 /tmp/ds
             export HSDUMP_DUMP_DIR=/dev/shm/hsdump-k25 HSDUMP_FINAL_NORM=${KIMI25_NORM:-pre_norm}
-            PYTHONPATH=$PYTHONPATH:$REPO/tests/gpu CHECKS=tests/gpu/test_tiny.py \
+            PYTHONPATH=$PYTHONPATH:$REPO/tests/gpu GPU_CHECK_MOE=1 CHECKS=tests/gpu/test_tiny.py \
               served kimi25 "" /tmp/k25 /tmp/ds launch_text_only --mem-fraction-static 0.5 \
               --cuda-graph-max-bs 16
             unset HSDUMP_DUMP_DIR HSDUMP_FINAL_NORM ;;
