@@ -1018,6 +1018,9 @@ def export(
       hsdump export hs.zarr sf-data --format specforge     # for SpecForge
       hsdump export hs.zarr sp-data --format speculators   # for speculators
 
+    SpecForge reads OUT as data.hidden_states_path, in its YAML or as an override:
+      specforge train -c CONFIG data.hidden_states_path=OUT
+    speculators reads it as --data-path OUT.
     It ends by naming the layer ids to train with.
     """
 
