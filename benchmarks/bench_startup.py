@@ -7,7 +7,8 @@ already up and times, from outside, what the user waits for:
   first says a sample is committed;
 - last commit to exit: from the commit that makes the last sample visible until the process exits
   (summary, flush, teardown, worker processes);
-- launch to exit.
+- launch to exit;
+- the CPU seconds of the run's processes (the figure that a busy host does not move).
 
 The store is only read, by polling its parts' ``zarr.json`` every few milliseconds (the figures are
 good to that step); the run itself is not changed. Each worker count (``--workers 1``, the
@@ -31,6 +32,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -56,11 +58,13 @@ FALLBACK_VOCAB = 1000
 
 @dataclass(frozen=True)
 class Launch:
-    """One timed run: seconds from the launch to the first and last commits and to the exit."""
+    """One timed run: seconds from the launch to the first and last commits and to the exit, and
+    the CPU seconds of the run's processes (its workers too)."""
 
     first: float
     last: float
     exit: float
+    cpu: float
 
     @property
     def tail(self) -> float:
@@ -94,6 +98,7 @@ def launch(args: list[str], store: Path, expected: int) -> Launch:
     seen: dict[Path, tuple[tuple[int, int], int]] = {}
     first = last = None
     count = 0
+    cpu = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     child = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     while True:
@@ -107,13 +112,15 @@ def launch(args: list[str], store: Path, expected: int) -> Launch:
             break
         time.sleep(POLL_S)
     exited = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the run's tree: it reaps its workers
+    used = after.ru_utime + after.ru_stime - cpu.ru_utime - cpu.ru_stime
     stderr = child.stderr.read() if child.stderr else ""
     if code != 0 or count != expected or first is None or last is None:
         raise SystemExit(
             f"{' '.join(args)}\nexited {code} with {count} of {expected} samples committed:\n"
             f"{stderr}"
         )
-    return Launch(first=first, last=last, exit=exited)
+    return Launch(first=first, last=last, exit=exited, cpu=used)
 
 
 def vocab_size(url: str) -> int:
@@ -152,9 +159,14 @@ def server(
 
 
 def row(name: str, runs: list[Launch]) -> str:
-    med = {k: statistics.median(getattr(r, k) for r in runs) for k in ("first", "tail", "exit")}
+    med = {
+        k: statistics.median(getattr(r, k) for r in runs) for k in ("first", "tail", "exit", "cpu")
+    }
     spread = f"{min(r.exit for r in runs):.2f}-{max(r.exit for r in runs):.2f}"
-    return f"| {name} | {med['first']:.2f} | {med['tail']:.2f} | {med['exit']:.2f} ({spread}) |"
+    return (
+        f"| {name} | {med['first']:.2f} | {med['tail']:.2f} | {med['exit']:.2f} ({spread}) "
+        f"| {med['cpu']:.2f} |"
+    )
 
 
 def main(options: argparse.Namespace) -> int:
@@ -198,8 +210,11 @@ def main(options: argparse.Namespace) -> int:
                     runs[v].append(once(v, f"r{r}-w{v}"))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print("| --workers | launch to first commit s | last commit to exit s | launch to exit s |")
-    print("|---|---|---|---|")
+    print(
+        "| --workers | launch to first commit s | last commit to exit s | launch to exit s "
+        "(range) | CPU s |"
+    )
+    print("|---|---|---|---|---|")
     for v in variants:
         print(row(v, runs[v]))
     return verdicts(runs, judge_first=given)
