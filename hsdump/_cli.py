@@ -613,7 +613,7 @@ def extract(
             )
         left = _nothing_left(options, lambda: _limits(server_url, servers, model))
         if left is not None:
-            _remove_stale_dumps(server_url, dump_dir, None if ray else servers)
+            _tidy(options.out, server_url, dump_dir, None if ray else servers)
             return left
         if ray:  # the dump roots are on the Ray nodes
             with GracefulStop() as stop:
@@ -647,14 +647,15 @@ def _check_readable(dataset: Path) -> None:
         raise InputError(f"cannot read the dataset {dataset}: {exc.strerror or exc}") from exc
 
 
-def _remove_stale_dumps(
-    server_url: str | None, dump_dir: Path | None, servers: Path | None
-) -> None:
-    """Remove what exited clients left in this node's dump roots, such as the late dump of a timed
-    out request: a run with nothing to extract opens no client, whose start would do it. Dumps
-    of live clients are kept (`hsdump._client.janitor`)."""
+def _tidy(store: str, server_url: str | None, dump_dir: Path | None, servers: Path | None) -> None:
+    """Remove what exited writers left in the store and exited clients in this node's dump roots
+    (the late dump of a timed-out request): a run with nothing to extract opens no part and no
+    client, whose opening would do it. Live writers' parts and clients' dumps are kept."""
     from hsdump._client.janitor import remove_stale
     from hsdump._settings import setting
+    from hsdump._store.store import tidy_store
+
+    tidy_store(store)
 
     if servers is not None:
         roots = [root for _, root in read_servers(servers)]

@@ -8,11 +8,14 @@ closes the store and prints ``END <number actually written>``.
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
-from hsdump import HiddenStates, StoreOptions, open_store
+from hsdump import HiddenStates, Sample, StoreOptions, open_store
 
 HIDDEN = 32
 LAYERS = [2, 5, 7]
@@ -45,6 +48,56 @@ def open_test_store(path: str, mode: str = "a", writer_id: str | None = None, **
     return open_store(
         path, mode, writer_id=writer_id, shard_tokens=SHARD_TOKENS, chunk_tokens=CHUNK_TOKENS, **kw
     )  # type: ignore[arg-type]
+
+
+_STRANDED = """
+import sys
+from hsdump import StoreOptions
+from store_crash_writer import make_sample, open_test_store
+options = StoreOptions(commit_interval_s=3600)
+store = open_test_store(sys.argv[1], writer_id=sys.argv[2], options=options)
+for i in range(3):
+    store.write(make_sample(i))
+store.flush()  # s0..s2 committed
+for i in range(3, 8):  # full shards written, not committed for an hour
+    store.write(make_sample(i))
+print("written", flush=True)
+sys.stdin.read()  # killed here, with the part open
+"""
+
+
+def killed_past_its_commit(path: str, writer_id: str) -> None:
+    """A writer process that commits s0..s2, writes shards of s3..s7 without committing them,
+    and is killed (SIGKILL) with its part open: its lock (or S3 lease) and those shards stay."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STRANDED, path, writer_id],
+        cwd=Path(__file__).parent,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "written"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        pipe.close()  # type: ignore[union-attr]
+
+
+def as_sample(i: int) -> Sample:
+    """The dataset line of sample ``s<i>``: its token ids and loss mask."""
+    hs = make_sample(i)
+    mask = None if hs.loss_mask is None else hs.loss_mask.tolist()
+    return Sample(hs.sample_id, hs.input_ids.tolist(), mask)
+
+
+def shards_past_commit(path: str, part: str, keys: list[str]) -> list[str]:
+    """Of ``keys`` (the names of ``part``'s hidden-state shard files, ``c.<i>.0.0``), those that
+    hold no committed row."""
+    with open_test_store(path, "r") as store:
+        ends = [sum(store.locate(sid)[1:]) for sid in store if store.locate(sid)[0] == part]
+    end = -(-max(ends, default=0) // CHUNK_TOKENS) * CHUNK_TOKENS
+    first_free = -(-end // SHARD_TOKENS)
+    return [k for k in keys if int(k.rpartition("c.")[2].split(".")[0]) >= first_free]
 
 
 def main(path: str, n: int, writer_id: str, stride: int, offset: int) -> None:

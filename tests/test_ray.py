@@ -203,6 +203,9 @@ def test_a_resumed_run_with_a_killed_actor_commits_each_sample_once(
     with open_store(store, "r") as opened:
         parts = {opened.locate(sid)[0] for sid in opened}
     assert f"part-ray-s{victim}-a0" in parts  # it committed before it died
+    # No run opens the dead actor's part again: this one tidied it (its state says "closed").
+    state = json.loads((store / f"part-ray-s{victim}-a0" / "zarr.json").read_text())
+    assert state["attributes"]["hsdump_part"]["recheck_from"] is None
 
 
 def test_a_removed_node_loses_nothing(cluster, servers, reference, tmp_path) -> None:

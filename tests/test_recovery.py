@@ -13,10 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from store_crash_writer import make_sample, open_test_store
+from store_crash_writer import (
+    as_sample,
+    killed_past_its_commit,
+    make_sample,
+    open_test_store,
+    shards_past_commit,
+)
 from typer.testing import CliRunner
 
-from hsdump import SampleNotFoundError, verify_store
+from hsdump import SampleNotFoundError, run_ray_extraction, verify_store
 from hsdump.testing import cli_app
 
 IDS = [f"s{i}" for i in range(6)]
@@ -140,3 +146,30 @@ def test_dropping_a_sample_of_another_part_is_refused(tmp_path: Path) -> None:
         with pytest.raises(SampleNotFoundError, match="not committed in this writer"):
             store.drop(["s0"])
         assert "s0" in store
+
+
+def test_a_run_with_nothing_to_extract_tidies_what_a_killed_writer_left(tmp_path: Path) -> None:
+    """A killed Ray actor's part is never opened again (its successor writes the next part):
+    the run removes the shards it wrote past its last commit, and leaves a live writer alone."""
+    pytest.importorskip("ray")
+    path = tmp_path / "s.zarr"
+    killed_past_its_commit(str(path), "ray-s0-a0")
+    hidden = path / "part-ray-s0-a0" / "hidden"
+    stranded = shards_past_commit(str(path), "part-ray-s0-a0", [f.name for f in hidden.glob("c.*")])
+    assert stranded, "the writer left no shard past its last commit: nothing was tested"
+    with open_test_store(str(path), writer_id="ray-s0-a1") as successor:
+        for i in range(3, 8):
+            successor.write(make_sample(i))
+    samples = [as_sample(i) for i in range(9)]
+    with open_test_store(str(path), writer_id="live") as live:  # another run, mid-way
+        live.write(make_sample(8))
+        live.flush()
+        summary = run_ray_extraction(
+            samples, servers=[("http://127.0.0.1:9", None, None)], store=path
+        )
+        assert summary.ok and (summary.samples_done, summary.skipped) == (0, 9), summary.failures
+        assert [name for name in stranded if (hidden / name).exists()] == []
+        live.write(make_sample(9))  # its part is still its own
+    assert verify_store(path).clean
+    with open_test_store(str(path), "r") as store:
+        assert sorted(store) == sorted(f"s{i}" for i in range(10))

@@ -20,7 +20,14 @@ from typing import Any
 
 import pytest
 import torch
-from store_crash_writer import SHARD_TOKENS, make_sample, open_test_store
+from store_crash_writer import (
+    SHARD_TOKENS,
+    as_sample,
+    killed_past_its_commit,
+    make_sample,
+    open_test_store,
+    shards_past_commit,
+)
 from typer.testing import CliRunner
 
 from hsdump import (
@@ -35,6 +42,7 @@ from hsdump import (
     StoreNotFoundError,
     open_store,
     run_parallel_extraction,
+    run_ray_extraction,
     verify_store,
 )
 from hsdump.testing import FakeServer, cli_app
@@ -200,6 +208,31 @@ def test_sigkill_of_a_writer_then_rerun_loses_nothing_committed_and_writes_only_
     # for bit (checksums too) shows that none was visible half-written.
     assert _committed_intact(url) == {f"s{i}" for i in range(n)}
     assert not _keys(s3, bucket, "runs/s.zarr.hsdump-locks/")  # released on close
+
+
+def test_a_run_with_nothing_to_extract_removes_a_killed_writers_shards_and_lease(
+    url: str, s3: Any, bucket: str
+) -> None:
+    """A killed Ray actor's part is never opened again: the run tidies it."""
+    pytest.importorskip("ray")
+    part = "part-ray-s0-a0"
+    killed_past_its_commit(url, "ray-s0-a0")
+
+    def stranded() -> list[str]:
+        keys = _keys(s3, bucket, f"runs/s.zarr/{part}/hidden/c.")
+        return shards_past_commit(url, part, [k.rpartition("/")[2] for k in keys])
+
+    assert stranded(), "the writer left no shard past its last commit: nothing was tested"
+    locks = "runs/s.zarr.hsdump-locks/"
+    assert _keys(s3, bucket, locks) == [f"{locks}{part}.lease"]
+    with open_test_store(url, writer_id="ray-s0-a1") as successor:
+        for i in range(3, 8):
+            successor.write(make_sample(i))
+    samples = [as_sample(i) for i in range(8)]
+    summary = run_ray_extraction(samples, servers=[("http://127.0.0.1:9", None, None)], store=url)
+    assert summary.ok and summary.skipped == 8
+    assert stranded() == [] and _keys(s3, bucket, locks) == []
+    assert verify_store(url).clean
 
 
 def test_reopening_a_part_aborts_the_unfinished_uploads_a_killed_writer_left(

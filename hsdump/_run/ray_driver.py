@@ -115,6 +115,7 @@ class _RayRun:
         self.tally = Tally(summary, options.progress)
         self.lost: dict[int, str] = {}
         self.held_back: list[Sample] = []  # leases of an actor that may still be writing
+        self.gone: list[str] = []  # the parts of dead actors, tidied at the end
         self.stopping = False
         self._ready = False
         self.token = secrets.token_hex(3)
@@ -240,6 +241,8 @@ class _RayRun:
         actor.dead = True
         with contextlib.suppress(Exception):
             self.ray.kill(actor.handle, no_restart=True)
+        if actor.writer_id is not None:
+            self.gone.append(actor.writer_id)
         url = self.specs[actor.server].url
         level = logging.DEBUG if self.stopping else logging.WARNING
         part = f" (part {actor.writer_id})" if actor.writer_id else " (before it opened its part)"
@@ -428,6 +431,7 @@ def run_ray_extraction(
         )
         for j, (url, root, _) in enumerate(servers)
     ]  # fmt: skip
+    gone: list[str] = []
     with options.failure_log() as log, sigterm_as_interrupt():
         for failure in planned:
             log.record(failure)
@@ -453,5 +457,10 @@ def run_ray_extraction(
                     summary.finished = time.monotonic()
             left = runner.pending or runner.held_back
             summary.interrupted = summary.interrupted or bool(left)
+            gone = runner.gone
     summary.finished = time.monotonic()
+    from hsdump._store.store import tidy_store
+
+    # What dead actors wrote past their last commit: no later run opens their parts again.
+    tidy_store(path, gone=gone, storage_options=(store_options or {}).get("storage_options"))
     return summary

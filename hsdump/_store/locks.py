@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from hsdump._exceptions import PartLockedError, StoreError
-from hsdump._store.objstore import s3_location
+from hsdump._store.objstore import call_s3, s3_location
 from hsdump._store.roots import LOCK_DIR_SUFFIX, PART_PREFIX, local_dir, lock_dir
 
 if TYPE_CHECKING:
     import zarr
 
-__all__ = ["PartLock", "lock_part", "part_released"]
+__all__ = ["PartLock", "break_lease", "lock_part", "part_released"]
 
 
 _LEGACY_LOCK_FILE = ".hsdump-writer.lock"  # inside the part, before the locks moved out
@@ -49,6 +49,25 @@ class _FileLock:
         self._fds = []
 
 
+def _lease_key(root: zarr.Group, name: str) -> tuple[str, str] | None:
+    """(bucket, key) of part ``name``'s lease beside an S3 store; None for other stores."""
+    location = s3_location(root.store)
+    if location is None or not location.prefix:
+        return None
+    return location.bucket, f"{location.prefix}{LOCK_DIR_SUFFIX}/{name}.lease"
+
+
+def break_lease(root: zarr.Group, name: str) -> None:
+    """Delete the S3 lease of part ``name``, whose writer is known to be dead (a killed Ray actor
+    on another node), so the part can be reopened now rather than once the lease expires.
+
+    A writer that still lived would find its lease gone at its next commit and stop there.
+    """
+    found = _lease_key(root, name)
+    if found is not None:
+        call_s3(root.store, "delete_object", Bucket=found[0], Key=found[1])
+
+
 def lock_part(
     root: zarr.Group, name: str, where: str, writer_id: str = "", *, ttl_s: float = 60.0
 ) -> PartLock:
@@ -62,12 +81,13 @@ def lock_part(
     if location is not None:
         from hsdump._store.lease import Lease
 
-        if not location.prefix:
+        found = _lease_key(root, name)
+        if found is None:
             raise StoreError(
                 f"{where} is a whole bucket: a writer keeps its lease beside the store, so give "
                 f"the store a prefix (s3://{location.bucket}/<name>.zarr)"
             )
-        key = f"{location.bucket}/{location.prefix}{LOCK_DIR_SUFFIX}/{name}.lease"
+        key = "/".join(found)
         return Lease.acquire(root.store, name, writer_id or name, where, key=key, ttl_s=ttl_s)
     return _FileLock(_lock_local(root, name, where))
 

@@ -25,10 +25,12 @@ from hsdump._exceptions import (
     ConfigError,
     HsdumpError,
     InputError,
+    PartLockedError,
     ProvenanceMismatch,
     SampleExistsError,
     SampleNotFoundError,
     StoreClosedError,
+    StoreNotFoundError,
     StoreReadOnlyError,
     StoreWriteFailedError,
 )
@@ -48,7 +50,7 @@ from hsdump._store.integrity import (
     sample_token_digest,
     state_attributes,
 )
-from hsdump._store.locks import PartLock, lock_part
+from hsdump._store.locks import PartLock, break_lease, lock_part
 from hsdump._store.objstore import abort_uploads, dependency_error
 from hsdump._store.options import StoreOptions
 from hsdump._store.part import (
@@ -79,7 +81,7 @@ if TYPE_CHECKING:
 
     from hsdump._types import HiddenStates, Sample
 
-__all__ = ["HiddenStateStore", "VerifyReport", "open_store", "verify_store"]
+__all__ = ["HiddenStateStore", "VerifyReport", "open_store", "tidy_store", "verify_store"]
 
 logger = logging.getLogger(__name__)
 
@@ -178,6 +180,55 @@ def verify_store(path: str | os.PathLike[str] | Any, *, drop: bool = False) -> V
         with open_store(path, "a", writer_id=part.removeprefix(PART_PREFIX)) as writer:
             writer.drop([sid for sid in ids if sid in writer])
     return report
+
+
+def tidy_store(
+    path: str | os.PathLike[str],
+    *,
+    gone: Iterable[str] = (),
+    storage_options: Mapping[str, Any] | None = None,
+) -> list[str]:
+    """Reopen, each as its writer, the parts whose writers stopped without closing them (killed
+    processes, dead Ray actors), so that what they wrote past their last commit (shards, chunks,
+    unfinished uploads, an S3 lease) is removed. Parts held by live writers are left alone.
+
+    A run that writes no sample never opens those parts: a rerun of a complete store, or a Ray
+    run whose actors' parts carry new names after a death.
+
+    Args:
+        path: The store.
+        gone: Writer ids known to be dead (killed Ray actors): their S3 leases are deleted
+            first, rather than waited out.
+        storage_options: As for `open_store`.
+
+    Returns:
+        The writer ids of the parts tidied.
+    """
+    try:
+        store = open_store(path, "r", storage_options=storage_options)
+    except StoreNotFoundError:
+        return []
+    except HsdumpError as exc:  # a run that stored its samples does not fail over this
+        logger.warning("could not tidy %s: %s", describe(path), exc)
+        return []
+    with store:
+        # Never closed, or never committed (killed before its first commit); a live writer's too.
+        states = store._states()
+        left = [s.writer_id for s in states if s.recheck_from is not None or not s.n_committed]
+        for writer_id in set(gone) & set(left):
+            with contextlib.suppress(Exception):  # then it expires by itself
+                break_lease(store._root, PART_PREFIX + writer_id)
+    tidied = []
+    for writer_id in left:
+        try:
+            open_store(path, "a", writer_id=writer_id, storage_options=storage_options).close()
+        except PartLockedError:
+            continue  # its writer lives
+        except HsdumpError as exc:  # a run that stored its samples does not fail over this
+            logger.warning("could not tidy part %s of %s: %s", writer_id, describe(path), exc)
+            continue
+        tidied.append(writer_id)
+    return tidied
 
 
 class HiddenStateStore:
