@@ -615,6 +615,8 @@ def extract(
         if left is not None:
             _tidy(options.out, server_url, dump_dir, None if ray else servers)
             return left
+        if shard is None:
+            _warn_live_writers(options.out)
         if ray:  # the dump roots are on the Ray nodes
             with GracefulStop() as stop:
                 return _extract_ray(options, servers, ray_address, stop)
@@ -664,6 +666,23 @@ def _tidy(store: str, server_url: str | None, dump_dir: Path | None, servers: Pa
     for root in roots:
         if root is not None:
             remove_stale(Path(root))
+
+
+def _warn_live_writers(store: str) -> None:
+    """Say so when another run writes the store now: runs without --shard each extract every
+    sample they are given."""
+    from hsdump._store.store import live_writers
+
+    held = live_writers(store)
+    if held:
+        console.print(
+            f"[yellow]warning: another run is writing {store} now (live writers hold "
+            f"{', '.join(held)}). Without --shard, each run extracts every sample it is given: "
+            "samples in both datasets are stored twice (verify-store lists them). Split one "
+            "dataset between concurrent runs with --shard I/N, or let the other run finish.[/]",
+            highlight=False,
+            soft_wrap=True,
+        )
 
 
 def _warn_small_pages(roots: Sequence[Path | None]) -> None:

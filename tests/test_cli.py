@@ -618,3 +618,19 @@ def test_a_rerun_with_nothing_to_extract_removes_late_dumps_of_exited_runs_only(
             assert not late.exists() and waited_for.exists()
 
     anyio.run(runs_beside_a_live_client)
+
+
+def test_a_run_without_shard_warns_while_another_run_writes_the_store(fake, tmp_path):
+    """Two unsharded runs each extract every sample: the second one says so at its start."""
+    lines = [{"id": f"t{i}", "input_ids": [1, 2, 3 + i]} for i in range(3)]
+    runs = [_dataset(tmp_path / f"d{i}.jsonl", *lines[i : i + 1]) for i in range(3)]
+    with open_store(tmp_path / "s.zarr", "a", writer_id="other"):  # another run, mid-way
+        unsharded = _extract_from(fake, tmp_path, runs[0], "--writer-id", "mine")
+        sharded = _extract_from(fake, tmp_path, runs[1], "--shard", "0/1")
+    alone = _extract_from(fake, tmp_path, runs[2], "--writer-id", "mine")
+    assert [unsharded.exit_code, sharded.exit_code, alone.exit_code] == [0, 0, 0]
+    said = " ".join(unsharded.output.split())
+    store = tmp_path / "s.zarr"
+    assert f"another run is writing {store} now (live writers hold part-other)" in said
+    assert "--shard I/N" in said
+    assert "another run" not in sharded.output and "another run" not in alone.output

@@ -235,6 +235,20 @@ def test_a_run_with_nothing_to_extract_removes_a_killed_writers_shards_and_lease
     assert verify_store(url).clean
 
 
+def test_extract_warns_while_another_writer_holds_a_part_of_the_s3_store(
+    url: str, tmp_path: Path
+) -> None:
+    (tmp_path / "d.jsonl").write_text('{"id": "a", "input_ids": [1, 2, 3]}\n')
+    with FakeServer(tmp_path / "dumps", hidden_size=16) as server:
+        args = ["extract", str(tmp_path / "d.jsonl"), "--out", url, "--server-url", server.url]
+        args += ["--dump-dir", str(server.dump_dir), "--writer-id", "mine"]
+        with open_test_store(url, writer_id="other"):
+            result = runner.invoke(cli_app, args)
+    said = " ".join(result.output.split())
+    holder = f"part-other (pid {__import__('os').getpid()} on {socket.gethostname()})"
+    assert result.exit_code == 0 and f"live writers hold {holder}" in said, said
+
+
 def test_reopening_a_part_aborts_the_unfinished_uploads_a_killed_writer_left(
     url: str, s3: Any, bucket: str
 ) -> None:

@@ -42,7 +42,7 @@ from hsdump._exceptions import (
 from hsdump._store import zarr_adapter
 from hsdump._store.objstore import call_s3, dependency_error, error_code
 
-__all__ = ["Lease", "LeaseHolder"]
+__all__ = ["Lease", "LeaseHolder", "lease_holder"]
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,40 @@ class _Found:
         return self.holder is None or self.age_s >= self.holder.ttl_s
 
 
+def _read_lease(store: Any, bucket: str, key: str) -> _Found | None:
+    """The lease object at ``bucket``/``key`` as read now; None when there is none."""
+
+    async def get() -> tuple[bytes, dict[str, Any]]:
+        resp = await store.fs._call_s3("get_object", Bucket=bucket, Key=key)
+        body = resp["Body"]
+        try:
+            return await body.read(), resp
+        finally:
+            body.close()
+
+    try:
+        data, resp = zarr_adapter.run(get())
+    except FileNotFoundError:
+        return None
+    date = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
+    now = parsedate_to_datetime(date) if date else datetime.now(UTC)
+    age = (now - resp["LastModified"]).total_seconds()
+    try:
+        holder: LeaseHolder | None = LeaseHolder.model_validate(json.loads(data))
+    except (ValueError, ValidationError):
+        holder = None  # not a lease hsdump wrote: judged expired, so it is replaced
+    return _Found(holder, str(resp["ETag"]), age)
+
+
+def lease_holder(store: Any, bucket: str, key: str) -> str | None:
+    """``"pid P on HOST"`` of the live lease at ``bucket``/``key``; None when there is none, it
+    expired, or its holder is a dead process of this machine."""
+    found = _read_lease(store, bucket, key)
+    if found is None or found.holder is None or found.expired or _holder_dead(found.holder):
+        return None
+    return f"pid {found.holder.pid} on {found.holder.host}"
+
+
 class Lease:
     """A held lease on one part; create it with `acquire`."""
 
@@ -157,28 +191,7 @@ class Lease:
         return str(out["ETag"])
 
     def _read(self) -> _Found | None:
-        async def get() -> tuple[bytes, dict[str, Any]]:
-            resp = await self._store.fs._call_s3(
-                "get_object", Bucket=self._bucket, Key=self._object
-            )
-            body = resp["Body"]
-            try:
-                return await body.read(), resp
-            finally:
-                body.close()
-
-        try:
-            data, resp = zarr_adapter.run(get())
-        except FileNotFoundError:
-            return None
-        date = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-        now = parsedate_to_datetime(date) if date else datetime.now(UTC)
-        age = (now - resp["LastModified"]).total_seconds()
-        try:
-            holder: LeaseHolder | None = LeaseHolder.model_validate(json.loads(data))
-        except (ValueError, ValidationError):
-            holder = None  # not a lease hsdump wrote: judged expired, so it is replaced
-        return _Found(holder, str(resp["ETag"]), age)
+        return _read_lease(self._store, self._bucket, self._object)
 
     # -- taking ----------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from hsdump._store.roots import LOCK_DIR_SUFFIX, PART_PREFIX, local_dir, lock_di
 if TYPE_CHECKING:
     import zarr
 
-__all__ = ["PartLock", "break_lease", "lock_part", "part_released"]
+__all__ = ["PartLock", "break_lease", "lock_part", "part_holder", "part_released"]
 
 
 _LEGACY_LOCK_FILE = ".hsdump-writer.lock"  # inside the part, before the locks moved out
@@ -66,6 +66,35 @@ def break_lease(root: zarr.Group, name: str) -> None:
     found = _lease_key(root, name)
     if found is not None:
         call_s3(root.store, "delete_object", Bucket=found[0], Key=found[1])
+
+
+def part_holder(root: zarr.Group, name: str) -> str | None:
+    """Who holds part ``name`` now: ``"part-x (pid P on HOST)"`` for an S3 lease, ``"part-x"``
+    for a local lock; None when nobody does.
+
+    A free local lock is taken for an instant to see that it is free, as the dump root's janitor
+    does with client locks.
+    """
+    if s3_location(root.store) is not None:
+        from hsdump._store.lease import lease_holder
+
+        found = _lease_key(root, name)
+        holder = None if found is None else lease_holder(root.store, *found)
+        return None if holder is None else f"{name} ({holder})"
+    locks = lock_dir(root)
+    if locks is None:
+        return None
+    try:
+        fd = os.open(locks / f"{name}.lock", os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return name
+    finally:
+        os.close(fd)  # and with it the lock, if it was free
+    return None
 
 
 def lock_part(

@@ -50,7 +50,7 @@ from hsdump._store.integrity import (
     sample_token_digest,
     state_attributes,
 )
-from hsdump._store.locks import PartLock, break_lease, lock_part
+from hsdump._store.locks import PartLock, break_lease, lock_part, part_holder
 from hsdump._store.objstore import abort_uploads, dependency_error
 from hsdump._store.options import StoreOptions
 from hsdump._store.part import (
@@ -81,7 +81,14 @@ if TYPE_CHECKING:
 
     from hsdump._types import HiddenStates, Sample
 
-__all__ = ["HiddenStateStore", "VerifyReport", "open_store", "tidy_store", "verify_store"]
+__all__ = [
+    "HiddenStateStore",
+    "VerifyReport",
+    "live_writers",
+    "open_store",
+    "tidy_store",
+    "verify_store",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +236,20 @@ def tidy_store(
             continue
         tidied.append(writer_id)
     return tidied
+
+
+def live_writers(
+    path: str | os.PathLike[str], *, storage_options: Mapping[str, Any] | None = None
+) -> list[str]:
+    """The parts of the store at ``path`` that live writers hold now (for an S3 lease, with its
+    holder's pid and host); none when there is no store yet."""
+    try:
+        store = open_store(path, "r", storage_options=storage_options)
+    except HsdumpError:
+        return []  # no store yet; or one the run itself will report on
+    with store:
+        held = (part_holder(store._root, name) for name in store._readers)
+        return [h for h in held if h is not None]
 
 
 class HiddenStateStore:
