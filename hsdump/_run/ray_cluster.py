@@ -83,7 +83,7 @@ def _probe(ray: Any, address: str | None) -> None:
     ``ray.init`` retries such an address for minutes, printing only its own warnings. It also
     joins ``127.0.0.1:PORT`` through this host's interface address, so both are tried.
     """
-    target = address or os.environ.get("RAY_ADDRESS") or ""
+    target = os.environ.get("RAY_ADDRESS", "") if address in (None, "auto") else address
     host, sep, port = target.rpartition(":")
     if not sep or not port.isdigit() or "://" in target:
         return  # none named ("auto", this node's cluster, ray://): ray.init finds it or says why
