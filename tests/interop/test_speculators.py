@@ -144,6 +144,31 @@ def test_one_training_step_from_the_store_equals_one_from_the_export(
         assert torch.equal(weight, from_store["weights"][name]), name
 
 
+@pytest.mark.skipif(
+    not os.environ.get("HSDUMP_SGLANG_STORE"),
+    reason="HSDUMP_SGLANG_STORE names no store that real SGLang wrote (tests/gpu/run.sh pre_llama)",
+)
+def test_a_store_real_sglang_wrote_exports_into_speculators_readers(tmp_path: Path) -> None:
+    """The store of `tests/gpu/run.sh pre_llama` (SGLang with HSDUMP_FINAL_NORM=pre_norm)."""
+    store = Path(os.environ["HSDUMP_SGLANG_STORE"])
+    export_store(store, tmp_path / "data", format="speculators")
+    transfer = hs_connectors.FileTransfer(tmp_path / "data" / "hidden_states")
+    dataset = sp_data.ArrowDataset(
+        max_len=1 << 16, datapath=str(tmp_path / "data"), on_missing="raise"
+    )
+    order = _order(tmp_path / "data")
+    with open_store(store, "r") as opened:
+        provenance = opened.provenance
+        assert provenance is not None and provenance.producer_name == "sglang_patch"
+        assert provenance.final_norm == "pre_norm" and len(order) == len(opened) > 0
+        for idx, sample_id in enumerate(order):
+            hs, raw, item = opened.get(sample_id), transfer.get_cached(idx), dataset[idx]
+            assert torch.equal(raw["token_ids"], hs.input_ids)
+            assert torch.equal(raw["hidden_states"][:, :-1], hs.aux_hidden_states)
+            assert torch.equal(item["verifier_last_hidden_states"], hs.final_hidden_state)
+    SpeculatorsCollate(HiddenStateDataset(store), total_seq_len=TOTAL_SEQ_LEN)  # accepts it
+
+
 def test_the_adapter_refuses_a_post_norm_store_naming_the_setting(post_norm: Path) -> None:
     with pytest.raises(ExportError, match=r"verifier's norm.*HSDUMP_FINAL_NORM=pre_norm"):
         SpeculatorsCollate(HiddenStateDataset(post_norm), total_seq_len=TOTAL_SEQ_LEN)
