@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import itertools
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from hsdump._cli_report import console, print_summary, progress_view, stop_notice, summary_json
-from hsdump._cores import EXTRACTION_SWITCH_INTERVAL_S
+from hsdump._cores import EXTRACTION_SWITCH_INTERVAL_S, cores
 from hsdump._exceptions import ConfigError, HsdumpError, StoreIOError
 from hsdump._run.signals import GracefulStop, Stopped
 from hsdump._store.objstore import is_url, local_side, store_may_exist
@@ -417,14 +418,19 @@ def read_server_nodes(path: Path) -> list[tuple[str, Path | None, str | None]]:
     return servers
 
 
-def default_workers() -> int:
-    """Worker processes for ``--workers 0``: one per eight cores, 1 to 8.
+def default_workers(dataset: Path) -> int:
+    """Worker processes for ``--workers 0``: one per eight of this process's cores (its CPU
+    affinity, or ``HSDUMP_CORES``), 1 to 8; this process alone for a dataset of one line.
 
-    Each process sizes its thread pools by its share of the cores (``HSDUMP_CORES``). Measured
-    at H=7168 on a 16-core H200 host: two store processes of 8 cores each stored 25.4k tok/s,
-    four of 4 cores 17.2k.
+    Each process sizes its thread pools by its share of the cores. Measured at H=7168 on a
+    16-core H200 host: two store processes of 8 cores each stored 25.4k tok/s, four of 4 cores
+    17.2k. A single sample gains nothing from a worker process, which only adds its start-up
+    (13.5 s against 9.2 s from launch to exit on the 16-core GPU host).
     """
-    return max(1, min(8, (os.cpu_count() or 1) // 8))
+    with contextlib.suppress(OSError), dataset.open("rb") as lines:
+        if sum(1 for line in itertools.islice(filter(bytes.strip, lines), 2)) < 2:
+            return 1
+    return max(1, min(8, cores() // 8))
 
 
 _INPUT, _SERVER, _RUN, _STORE, _OUTPUT = "Input", "Server", "Run", "Store", "Output"
@@ -595,7 +601,7 @@ def extract(
     _setup_logging(verbose)
     given = _ExtractOptions(
         dataset=_data_path(dataset), out=out, writer_id=writer_id, concurrency=concurrency,
-        workers=workers or default_workers(), retries=retries, fail_fast=fail_fast,
+        workers=workers, retries=retries, fail_fast=fail_fast,
         tokenizer=tokenizer, request_timeout=request_timeout, dump_timeout=dump_timeout,
         watcher=watcher, shard_tokens=shard_tokens, log_every=log_every, verbose=verbose,
         as_json=as_json,
@@ -606,6 +612,8 @@ def extract(
 
         options = given
         _check_readable(options.dataset)  # before any server starts
+        if not options.workers:
+            options = dataclasses.replace(options, workers=default_workers(options.dataset))
         if shard is not None:
             parsed = Shard.parse(shard)
             options = dataclasses.replace(
@@ -721,7 +729,6 @@ def _nothing_left(options: _ExtractOptions, limits: Callable[[], InputLimits]) -
     (1 when bad lines remain, named with the failures file): no server is started. Else None."""
     from hsdump._run.common import ExtractionSummary, FailureLog, failures_path_for
     from hsdump._run.inputs import read_dataset
-    from hsdump._store.store import open_store
 
     path, store_path = options.dataset, options.out
     failures = failures_path_for(local_side(store_path))
@@ -729,6 +736,8 @@ def _nothing_left(options: _ExtractOptions, limits: Callable[[], InputLimits]) -
         lines = _count_lines(path) if store_may_exist(store_path) else 0
         if not lines:
             return None
+        from hsdump._store.store import open_store  # zarr: only for a store that may be there
+
         with open_store(store_path, "r") as store:
             if len(store) + _rejected_lines(failures) < lines:
                 return None  # found without parsing the dataset

@@ -96,6 +96,13 @@ def test_requests_in_flight_stay_bounded_over_all_workers(fake, tmp_path) -> Non
     assert peak[0] == 2  # reached, never passed
 
 
+def test_only_the_first_worker_of_a_server_probes_it(fake, tmp_path) -> None:
+    summary = _run(fake, tmp_path / "s.zarr", _samples(6), workers=3)
+    assert summary.ok and summary.samples_done == 6
+    probes = [r for r in fake.engine.received if r.input_ids == [0]]  # the probe's one token
+    assert len(probes) == 1
+
+
 def test_a_rerun_with_another_worker_count_skips_what_is_stored(fake, tmp_path) -> None:
     samples = _samples(16)
     _run(fake, tmp_path / "s.zarr", samples[:10], workers=2)
@@ -345,6 +352,22 @@ def test_extract_spreads_a_dataset_over_the_servers_in_a_servers_file(tmp_path) 
     assert result.exit_code == 0, result.output
     assert sorted(_contents(tmp_path / "s.zarr")) == sorted(r["id"] for r in rows)
     assert "2 worker process(es)" in result.output
+
+
+@pytest.mark.parametrize(("lines", "parts"), [(1, ["part-default"]), (4, ["part-w0", "part-w1"])])
+def test_extract_runs_a_worker_per_eight_cores_and_none_for_one_sample(
+    fake, tmp_path, monkeypatch, lines, parts
+) -> None:
+    from typer.testing import CliRunner
+
+    monkeypatch.setenv("HSDUMP_CORES", "16")  # the cores the command may use, not the host's
+    dataset, store = tmp_path / "d.jsonl", tmp_path / "s.zarr"
+    rows = [{"id": s.id, "input_ids": list(s.input_ids)} for s in _samples(lines)]
+    dataset.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = ["--out", str(store), "--server-url", fake.url, "--dump-dir", str(fake.dump_dir)]
+    result = CliRunner().invoke(cli_app, ["extract", str(dataset), *args])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in store.glob("part-*")) == parts
 
 
 def test_a_malformed_servers_file_is_a_one_line_error(tmp_path) -> None:

@@ -470,12 +470,13 @@ def plan_samples(
     line_numbers: Mapping[str, int],
 ) -> list[Sample]:
     """What is left to do; a stored id whose dataset tokens changed is a failure, not a skip."""
-    from hsdump._store.store import open_store
+    opened_store = None
+    if not _absent(store):  # zarr is imported only for a store that may be there
+        from hsdump._store.store import open_store
 
-    try:
-        opened_store = None if _absent(store) else open_store(store, "r")
-    except StoreError:  # an object-store URL with no store yet (the workers report any other)
-        opened_store = None
+        # An object-store URL with no store yet holds nothing (the workers report other errors).
+        with contextlib.suppress(StoreError):
+            opened_store = open_store(store, "r")
     if opened_store is None:
         todo = list(samples)
     else:

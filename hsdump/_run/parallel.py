@@ -377,7 +377,7 @@ def run_parallel_extraction(
             index=j * count + i, url=target, dump_dir=None if root is None else str(root),
             store=str(store), concurrency=per_worker, retries=options.retries,
             fail_fast=options.fail_fast, part=writer_id, server=j,
-            client_options=_share_budget(client_options or {}, workers),
+            client_options=_worker_client_options(client_options or {}, workers, first=i == 0),
             store_options=dict(store_options or {}),
             parent_pid=os.getpid(), cores=max(1, cores() // (count * len(targets))),
         )
@@ -417,9 +417,14 @@ def _dump_root(spec: WorkerSpec) -> Path:
     return Path(spec.dump_dir) if spec.dump_dir is not None else Path(setting("dump_dir"))
 
 
-def _share_budget(options: Mapping[str, Any], workers: int) -> dict[str, Any]:
-    """Each worker gets its share of an explicit dump budget, so their sum stays the bound."""
+def _worker_client_options(
+    options: Mapping[str, Any], workers: int, *, first: bool
+) -> dict[str, Any]:
+    """A worker's client options: its share of an explicit dump budget, so their sum stays the
+    bound; and only a server's first worker probes it (the others share its dump root)."""
     shared = dict(options)
     if shared.get("dump_budget_bytes"):
         shared["dump_budget_bytes"] = max(1, shared["dump_budget_bytes"] // workers)
+    if not first:
+        shared["probe"] = False
     return shared
