@@ -53,6 +53,7 @@ VISION = {  # MoonViT, as small as SGLang builds it
     "num_attention_heads": 2,
     "num_hidden_layers": 1,
     "hidden_size": 64,
+    "vt_hidden_size": 64,
     "intermediate_size": 128,
     "mm_hidden_size": 64,
 }

@@ -26,7 +26,8 @@
 #   pre_deepseek Kimi-K2.5's language model shape (DeepSeek-V3: MLA, 384 experts), pre_norm, CUDA
 #                graphs and radix cache on, chunks of 256: tests/gpu/test_tiny.py
 #   kimi25       the same weights as SGLang's KimiK25ForConditionalGeneration (MoonViT wrapper),
-#                multimodal off (tests/gpu/launch_text_only.py), pre_norm (KIMI25_NORM): test_tiny.py
+#                multimodal off (tests/gpu/launch_text_only.py), pre_norm (KIMI25_NORM): test_tiny.py;
+#                KIMI25_STARTUP=1 then runs benchmarks/bench_startup.py against it
 #   startup      the kimi server: benchmarks/bench_startup.py (launch to first commit, last commit
 #                to exit; STARTUP_ARGS passes it options)
 #   e2e          the kimi server: benchmarks/gpu_e2e.py times hsdump extract from launch until a sync
@@ -75,6 +76,11 @@ memory_root() {  # sets MEM: /dev/shm, or with KIMI_HUGE=1 a tmpfs with huge pag
     || { echo "could not mount a tmpfs with huge pages at $MEM (needs root)"; return 1; }
 }
 
+startup_bench() {  # benchmarks/bench_startup.py against the server running now
+  python3 benchmarks/bench_startup.py --server-url $URL --dump-dir $HSDUMP_DUMP_DIR \
+    --work-dir /tmp/startup ${STARTUP_ARGS:-} 2>&1 | tee "$OUT/startup.log"
+}
+
 keep_store() {  # stage: its checks' store, as tar parts small enough to come back from $OUT
   tar -C "/tmp/work_$1" -cf - store | split -b 15M - "$OUT/store_$1.tar.part-"
 }
@@ -108,6 +114,7 @@ served() {  # name, expected layers (or ""), served model, transformers model, l
   GPU_CHECK_URL=$URL GPU_CHECK_STAGE=$name GPU_CHECK_MODEL=$reference GPU_CHECK_LAYERS=$layers \
     GPU_CHECK_RADIX=$radix checks ${CHECKS:-} > "$OUT/check_$name.log" 2>&1 || status=1
   tail -40 "$OUT/check_$name.log"
+  [ -z "${AFTER_CHECKS:-}" ] || eval "$AFTER_CHECKS" || status=1  # more work on the same server
   ls -la "$HSDUMP_DUMP_DIR" "$HSDUMP_DUMP_DIR/_producers" >> "$OUT/check_$name.log" 2>&1
   stop_server
   grep -hE "Traceback|hsdump.*(fail|error)" "$OUT/server_$name.log" | head -10
@@ -162,14 +169,14 @@ for stage in $STAGES; do
     kimi25) make_model deepseek /tmp/ds; make_model kimi25 /tmp/k25 /tmp/ds
             export HSDUMP_DUMP_DIR=/dev/shm/hsdump-k25 HSDUMP_FINAL_NORM=${KIMI25_NORM:-pre_norm}
             PYTHONPATH=$PYTHONPATH:$REPO/tests/gpu GPU_CHECK_MOE=1 CHECKS=tests/gpu/test_tiny.py \
+              AFTER_CHECKS=${KIMI25_STARTUP:+startup_bench} \
               served kimi25 "" /tmp/k25 /tmp/ds launch_text_only --mem-fraction-static 0.5 \
               --cuda-graph-max-bs 16
             unset HSDUMP_DUMP_DIR HSDUMP_FINAL_NORM ;;
     startup) make_kimi
             export HSDUMP_DUMP_DIR=/dev/shm/hsdump-startup
             start_server startup sglang.launch_server --model-path /tmp/kimi --enable-return-hidden-states || { status=1; continue; }
-            python3 benchmarks/bench_startup.py --server-url $URL --dump-dir $HSDUMP_DUMP_DIR \
-              --work-dir /tmp/startup ${STARTUP_ARGS:-} 2>&1 | tee "$OUT/startup.log" || status=1
+            startup_bench || status=1
             stop_server; unset HSDUMP_DUMP_DIR ;;
     bench) make_1b
            export HSDUMP_DUMP_DIR=/dev/shm/hsdump-bench
