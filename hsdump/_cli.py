@@ -9,6 +9,7 @@ command to resume).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import functools
@@ -22,7 +23,7 @@ import sys
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypedDict, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypedDict, TypeVar
 
 import typer
 from rich.console import Console
@@ -679,6 +680,8 @@ def _tidy(store: str, server_url: str | None, dump_dir: Path | None, servers: Pa
 def _warn_live_writers(store: str) -> None:
     """Say so when another run writes the store now: runs without --shard each extract every
     sample they are given."""
+    if not store_may_exist(store):
+        return  # a new store: no writers, and no need to import zarr yet
     from hsdump._store.store import live_writers
 
     held = live_writers(store)
@@ -1096,4 +1099,21 @@ def export(
 def main() -> None:
     """The ``hsdump`` console script."""
     sys.setswitchinterval(EXTRACTION_SWITCH_INTERVAL_S)  # this process is hsdump's own
-    app()
+    try:
+        app()
+    except SystemExit as exc:
+        _exit(exc.code)
+    _exit(0)
+
+
+def _exit(code: str | int | None) -> NoReturn:
+    """End the process once the command has: its exit handlers run, its output is flushed, but
+    the interpreter does not tear down every module, which took 0.4 s after the last commit with
+    torch imported (2 cores)."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more to say
+            stream.flush()
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+    os._exit(code if isinstance(code, int) else 0 if code is None else 1)
