@@ -77,7 +77,7 @@ memory_root() {  # sets MEM: /dev/shm, or with KIMI_HUGE=1 a tmpfs with huge pag
 }
 
 startup_bench() {  # benchmarks/bench_startup.py against the server running now
-  python3 benchmarks/bench_startup.py --server-url $URL --dump-dir $HSDUMP_DUMP_DIR \
+  mkdir -p /tmp/startup && python3 benchmarks/bench_startup.py --server-url $URL --dump-dir $HSDUMP_DUMP_DIR \
     --work-dir /tmp/startup ${STARTUP_ARGS:-} 2>&1 | tee "$OUT/startup.log"
 }
 
