@@ -323,7 +323,9 @@ def test_an_actors_own_warnings_reach_the_driver_naming_its_part(
     assert any(m.startswith("ray-s1-a0: sample ") and "retrying" in m for m in relayed), relayed
 
 
-def _extract_ray_at(address: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+def _extract_ray_at(
+    address: str, tmp_path: Path, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
     (tmp_path / "d.jsonl").write_text(json.dumps({"id": "a", "input_ids": [1]}) + "\n")
     listing = [{"url": "http://127.0.0.1:9", "dump_dir": "/x", "node": "n0"}]
     (tmp_path / "servers.json").write_text(json.dumps(listing))
@@ -331,7 +333,11 @@ def _extract_ray_at(address: str, tmp_path: Path) -> subprocess.CompletedProcess
     args += [str(tmp_path / "servers.json"), "--ray", "--ray-address", address]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     return subprocess.run(
-        [sys.executable, "-m", "hsdump", *args], capture_output=True, text=True, timeout=60, env=env
+        [sys.executable, "-m", "hsdump", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
     )
 
 
@@ -389,3 +395,15 @@ def test_an_actor_without_s3_credentials_says_they_come_from_ray_start(
     message = str(caught.value)
     assert "StoreIOError" in message and f"Ray node {_node_ids(cluster)['n1']}" in message
     assert "`ray start` had on that node, not from the shell" in message
+
+
+def test_an_address_that_answers_but_is_no_ray_head_fails_within_the_bound(tmp_path) -> None:
+    """Such as the dashboard's port: the join is given up on after a minute, with what to check."""
+    with socket.create_server(("0.0.0.0", 0)) as other:  # accepts, and never speaks Ray
+        port = other.getsockname()[1]
+        started = time.monotonic()
+        result = _extract_ray_at(f"{ray.util.get_node_ip_address()}:{port}", tmp_path, timeout=120)
+    assert time.monotonic() - started < 100  # ray.init alone retries for minutes
+    out = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2 and "it answers, but Ray did not join it within 60 s" in out, out
+    assert "not the dashboard's 8265" in out and "Traceback" not in out

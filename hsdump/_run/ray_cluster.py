@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import socket
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 NODE_RESOURCE = "hsdump-node:"
 JOIN_TIMEOUT_S = 10.0  # to reach the cluster's address; ray.init itself waits far longer
+INIT_TIMEOUT_S = 60.0  # for ray.init once the address answers: seconds on a healthy cluster
 _LOOPBACK = ("localhost", "127.0.0.1", "::1")  # the hosts Ray replaces by this host's address
 
 ServerEntry = tuple[str, "str | os.PathLike[str] | None", "str | None"]
@@ -56,25 +57,70 @@ def connected(ray: Any, address: str | None) -> Iterator[None]:
         yield
         return
     _probe(ray, address)
-    previous = signal.getsignal(signal.SIGTERM)
     try:
-        # The actors' hsdump lines come back with their results (`ExtractionActor`); forwarding
-        # the workers' output would also bring Ray's raylet logs, a flood when a node goes.
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        _init(ray, address)
+    except ConfigError:
+        raise
     except (ConnectionError, RuntimeError, ValueError) as exc:
         raise ConfigError(
             f"cannot join the Ray cluster at {address or 'RAY_ADDRESS or this node'}: {exc}. "
             "Start it with `ray start --head` (then `ray start --address HEAD:6379` on the other "
             "nodes) and pass its address"
         ) from exc
-    # ray.init replaces the SIGTERM handler with one that exits at once: keep the caller's,
-    # which stops the run gracefully (the actors commit what is in flight).
-    with contextlib.suppress(ValueError, TypeError):  # not the main thread; a handler set in C
-        signal.signal(signal.SIGTERM, previous)
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def _init(ray: Any, address: str | None) -> None:
+    """``ray.init``, bounded by `INIT_TIMEOUT_S`: at an address that answers but is no Ray head
+    (the dashboard's port, another service) it would retry for minutes.
+
+    It runs in a thread of its own, which also keeps the caller's SIGTERM handler (Ray sets one
+    that exits at once only from the main thread). A join given up on leaves that thread behind.
+    """
+    outcome: list[BaseException | None] = []
+    done = threading.Event()
+
+    def join() -> None:
+        try:
+            # The actors' hsdump lines come back with their results (`ExtractionActor`):
+            # forwarding the workers' output would also bring Ray's raylet logs, a flood when a
+            # node goes.
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            done.set()
+
+    quiet = _Unless("not the main thread")  # Ray's note that it set no SIGTERM handler
+    logging.getLogger("ray._private.worker").addFilter(quiet)
+    try:
+        threading.Thread(target=join, name="hsdump-ray-init", daemon=True).start()
+        joined = done.wait(INIT_TIMEOUT_S)
+    finally:
+        logging.getLogger("ray._private.worker").removeFilter(quiet)
+    if not joined:
+        where = address or os.environ.get("RAY_ADDRESS") or "this node"
+        raise ConfigError(
+            f"cannot join the Ray cluster at {where}: it answers, but Ray did not join it within "
+            f"{INIT_TIMEOUT_S:.0f} s. Check that the port is the GCS port `ray start --head` "
+            "printed (6379 by default; not the dashboard's 8265) and that the cluster runs Ray "
+            f"{ray.__version__}, as this machine does"
+        )
+    if outcome[0] is not None:
+        raise outcome[0]
+
+
+class _Unless(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
 
 
 def _probe(ray: Any, address: str | None) -> None:
