@@ -631,6 +631,7 @@ def extract(
                 return _extract_ray(options, servers, ray_address, stop)
         if servers is not None:
             options = dataclasses.replace(options, servers=read_servers(servers))
+            _refuse_other_setting(options.out, options.servers)
             _warn_small_pages([root for _, root in options.servers])
             with GracefulStop():
                 return _extract_parallel(options, *options.servers[0])
@@ -639,12 +640,39 @@ def extract(
             GracefulStop(stop_notice()) as stop,
             _server(server_url, dump_dir, model) as (url, root),
         ):
+            _refuse_other_setting(options.out, [(url, root)])
             if options.workers > 1:
                 return _extract_parallel(options, url, root)
             run = functools.partial(_extract, options, url, root, stop)
             return anyio.run(_until_stopped, stop, run)
 
     _run_guarded(job)
+
+
+def _refuse_other_setting(store_path: str, servers: Sequence[tuple[str, Path | None]]) -> None:
+    """Refuse a store made under another setting than the servers' producers dump, before any
+    request: each sample would be extracted only for the store to refuse it."""
+    from hsdump._protocol import read_manifests
+    from hsdump._settings import setting
+    from hsdump._store.provenance import check_server
+    from hsdump._store.store import open_store
+
+    try:
+        if not store_may_exist(store_path):
+            return
+        with open_store(store_path, "r") as store:
+            provenance, where = store.provenance, store.where
+    except (OSError, HsdumpError):
+        return  # the run itself says what is wrong with the store
+    if provenance is None:
+        return
+    for url, dump_dir in servers:
+        try:
+            live = [m for m in read_manifests(dump_dir or setting("dump_dir")) if m.is_alive()]
+        except (OSError, HsdumpError):
+            continue  # no producer there: the run's client says so
+        if live:
+            check_server(provenance, live[0], where=where, url=url)
 
 
 def _check_readable(dataset: Path) -> None:

@@ -156,16 +156,20 @@ def test_request_timeout_bounds_the_wait_for_the_http_response(fake, tmp_path):
     assert record["error"] == "ServerTimeout" and "within 0.2 s" in record["message"]
 
 
-def test_a_store_error_stops_the_run_with_one_message_and_exit_code_two(fake, tmp_path):
+@pytest.mark.parametrize(
+    ("workers", "setting"), [("1", {"layer_ids": (1, 3, 5)}), ("2", {"hidden_size": 16})]
+)
+def test_a_store_of_another_setting_is_refused_before_any_request(fake, tmp_path, workers, setting):
     _extract_from(fake, tmp_path, _dataset(tmp_path / "d.jsonl", *_good(2)))
     dataset = _dataset(tmp_path / "more.jsonl", *_good(8))
-    with FakeServer(tmp_path / "other-dumps", layer_ids=(1, 3, 5), hidden_size=8) as other:
-        result = _extract_from(other, tmp_path, dataset)
+    with FakeServer(tmp_path / "other-dumps", **{"hidden_size": 8, **setting}) as other:
+        result = _extract_from(other, tmp_path, dataset, "--workers", workers)
         sent = [r.input_ids for r in other.received]
     assert result.exit_code == 2, result.output
-    assert result.output.count("error:") == 1 and "layer_ids differs" in result.output
+    (name,) = setting
+    assert result.output.count("error:") == 1 and f"{name} differs" in result.output
     assert "another setting than the server at" in result.output
-    assert sent == [[0]] and _ids(tmp_path) == ["s0", "s1"]  # the client's probe, no sample
+    assert sent == [] and _ids(tmp_path) == ["s0", "s1"]  # refused before any request
 
 
 def test_an_unreachable_server_is_a_one_line_error_with_exit_code_two(tmp_path):

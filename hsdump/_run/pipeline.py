@@ -289,11 +289,8 @@ async def run_extraction(
     Raises:
         StoreError: The store refused a write for a reason no retry fixes (no space left, a
             sample of other provenance, damage): the run stops at once, committed samples kept.
-        ProvenanceMismatch: The store holds samples of another setting (model, layers, hidden
-            size, dtype, final norm) than the client's server dumps: before any request.
     """
     options = options or RunOptions()
-    _check_store_fits(client, store)
     with options.failure_log() as log:
         run = _Run(client, store, options, log)
         await _drive(run, samples, options.concurrency)
@@ -331,19 +328,6 @@ async def _drive(
         summary.finished = time.monotonic()
     if source.left():
         summary.interrupted = True  # fail-fast stopped the run with samples left
-
-
-def _check_store_fits(client: Extractor, store: SampleSink) -> None:
-    """Refuse a store of another setting than the server's before a request is sent (the store
-    would refuse each sample's write)."""
-    from hsdump._client.client import HiddenStateClient
-    from hsdump._store.provenance import check_server
-    from hsdump._store.store import HiddenStateStore
-
-    if not isinstance(client, HiddenStateClient) or not isinstance(store, HiddenStateStore):
-        return
-    if client.manifest is not None and store.provenance is not None:
-        check_server(store.provenance, client.manifest, where=store.where, url=client.base_url)
 
 
 def _writes_in_flight(store: SampleSink) -> int:
