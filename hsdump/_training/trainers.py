@@ -19,9 +19,10 @@ import os
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, BinaryIO, Literal, cast
+from typing import IO, TYPE_CHECKING, Any, BinaryIO, cast
 
 from hsdump._exceptions import ExportError
+from hsdump._protocol import FinalNorm
 from hsdump._store.durable import PARTIAL_SUFFIX, write_file_atomic
 
 if TYPE_CHECKING:
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
 
 __all__ = ["TARGETS", "FinalNorm", "Target", "resolve_final_norm"]
 
-FinalNorm = Literal["post_norm", "pre_norm"]
 _SPECFORGE_GROUP = 2000  # files per rows_* folder, as prepare_hidden_states.py groups them
 _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 

@@ -18,11 +18,12 @@ import os
 import random
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from pydantic import BaseModel, ConfigDict
 
 from hsdump._exceptions import ConfigError
+from hsdump._protocol import FinalNorm
 
 if TYPE_CHECKING:
     import torch
@@ -41,8 +42,6 @@ DEFAULT_FACTOR = 1.5
 DEFAULT_EPSILON = 1e-3
 #: Names the reference server's built-in model, rebuilt from its config and seed.
 BUILTIN = "builtin"
-
-FinalNorm = Literal["post_norm", "pre_norm"]
 
 
 class LayerVerdict(BaseModel):
