@@ -373,7 +373,7 @@ def test_a_cluster_listening_on_loopback_only_is_named_so(tmp_path) -> None:
 
 
 def test_an_actor_without_s3_credentials_says_they_come_from_ray_start(
-    cluster, servers, tmp_path, monkeypatch
+    cluster, servers, tmp_path, monkeypatch, caplog
 ) -> None:
     """The AWS_* variables of the command's shell do not reach actors: its message says so."""
     moto_server = pytest.importorskip("moto.server")
@@ -388,13 +388,15 @@ def test_an_actor_without_s3_credentials_says_they_come_from_ray_start(
         }.items():  # fmt: skip
             monkeypatch.setenv(name, value)  # here only: the cluster started without them
         boto3.client("s3").create_bucket(Bucket="raybucket")
-        with pytest.raises(WorkerError) as caught:
+        with pytest.raises(WorkerError) as caught, caplog.at_level(logging.WARNING, "hsdump"):
             _run(servers[:1], "s3://raybucket/s.zarr", SAMPLES[:5], nodes=["n1"])
     finally:
         s3.stop()
     message = str(caught.value)
     assert "StoreIOError" in message and f"Ray node {_node_ids(cluster)['n1']}" in message
     assert "`ray start` had on that node, not from the shell" in message
+    ended = [r.getMessage() for r in caplog.records if " ended: " in r.getMessage()]
+    assert ended and all("(before it opened its part)" in m for m in ended)  # no "(part None)"
 
 
 def test_an_address_that_answers_but_is_no_ray_head_fails_within_the_bound(tmp_path) -> None:
