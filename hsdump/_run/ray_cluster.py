@@ -136,7 +136,8 @@ def _probe(ray: Any, address: str | None) -> None:
     host = host.strip("[]")
     hosts = [host]
     if host in _LOOPBACK:
-        hosts.append(ray.util.get_node_ip_address())
+        with contextlib.suppress(Exception):  # no address but loopback: Ray keeps loopback too
+            hosts.append(ray.util.get_node_ip_address())
     for tried in hosts:
         try:
             socket.create_connection((tried, int(port)), timeout=JOIN_TIMEOUT_S).close()
