@@ -833,6 +833,10 @@ def serve_reference(
     device: Annotated[
         str | None, typer.Option(help="cpu or cuda (default: cuda if present).")
     ] = None,
+    final_norm: Annotated[
+        Literal["post_norm", "pre_norm"],
+        typer.Option(help="Final state: post_norm (SpecForge) or pre_norm (speculators)."),
+    ] = "post_norm",
 ) -> None:
     """Serve a transformers model with SGLang's API, dumping hidden states like SGLang + hsdump.
 
@@ -855,7 +859,13 @@ def serve_reference(
             ) from exc
         stop = _block_stop_signals()  # before the server's threads start: they inherit it
         server = ReferenceServer(
-            model, dump_dir=dump_dir, host=host, port=port, layer_ids=layers, device=device
+            model,
+            dump_dir=dump_dir,
+            host=host,
+            port=port,
+            layer_ids=layers,
+            device=device,
+            final_norm=final_norm,
         )
         with server:
             console.print(
