@@ -24,6 +24,7 @@ import uuid
 from pathlib import Path
 
 from hsdump._exceptions import ConfigError
+from hsdump._locking import flock_held
 from hsdump._protocol import DEFAULT_RID_PREFIX, REQ_PREFIX, TMP_PREFIX
 
 __all__ = ["ClientLease", "TempRoot", "remove_stale", "remove_stale_roots"]
@@ -109,7 +110,7 @@ def remove_stale_roots(parent: str | os.PathLike[str] | None = None) -> int:
     removed = 0
     for path in where.glob(f"{TEMP_ROOT_PREFIX}*"):
         owner = path / OWNER_FILE
-        if not path.is_symlink() and owner.is_file() and not _is_locked(owner):
+        if not path.is_symlink() and owner.is_file() and not flock_held(owner):
             shutil.rmtree(path, ignore_errors=True)
             removed += 1
     if removed:
@@ -135,22 +136,7 @@ def _create_locked(path: Path) -> int:
 
 
 def _client_alive(root: Path, client_id: str) -> bool:
-    return _is_locked(root / CLIENTS_DIR / f"{client_id}.lock")
-
-
-def _is_locked(path: Path) -> bool:
-    """Whether a live process holds the ``flock`` on ``path`` (False when it is missing)."""
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
+    return flock_held(root / CLIENTS_DIR / f"{client_id}.lock")
 
 
 def _is_stale(

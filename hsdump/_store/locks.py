@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from hsdump._exceptions import PartLockedError, StoreError
+from hsdump._locking import flock_held
 from hsdump._store.objstore import call_s3, s3_location
 from hsdump._store.roots import LOCK_DIR_SUFFIX, PART_PREFIX, local_dir, lock_dir
 
@@ -82,19 +83,7 @@ def part_holder(root: zarr.Group, name: str) -> str | None:
         holder = None if found is None else lease_holder(root.store, *found)
         return None if holder is None else f"{name} ({holder})"
     locks = lock_dir(root)
-    if locks is None:
-        return None
-    try:
-        fd = os.open(locks / f"{name}.lock", os.O_RDWR)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return name
-    finally:
-        os.close(fd)  # and with it the lock, if it was free
-    return None
+    return name if locks is not None and flock_held(locks / f"{name}.lock") else None
 
 
 def lock_part(
