@@ -349,10 +349,11 @@ def _extract_parallel(options: _ExtractOptions, url: str, dump_dir: Path | None)
         except KeyboardInterrupt as exc:
             stopped = exc
     if stopped is not None:  # the summary goes under the bar, once the bar is gone
-        if view.summary is not None:
-            view.summary.interrupted = True
-            options.report(view.summary, failures_path, signalled=True)
-        raise stopped
+        if view.summary is None:
+            raise stopped
+        view.summary.interrupted = True
+        options.report(view.summary, failures_path, signalled=True)
+        return getattr(stopped, "exit_code", EXIT_INTERRUPTED)  # 130 or 143
     options.report(summary, failures_path)
     return EXIT_OK if summary.ok else EXIT_FAILURES
 
