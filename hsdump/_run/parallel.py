@@ -126,8 +126,10 @@ class _Parallel:
             self._stop()
             raise
         finally:
-            self._reap()
-            self.posts.close()
+            try:
+                self._reap()
+            finally:
+                self.posts.close()  # its connections too, whatever the last report raised
 
     def _spawn(self, spec: WorkerSpec, restarts: int = 0) -> _Worker:
         ours, theirs = self.context.Pipe()
