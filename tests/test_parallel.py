@@ -7,6 +7,7 @@ import json
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -333,6 +334,24 @@ def test_a_server_whose_workers_cannot_open_is_left_out(fake, tmp_path) -> None:
     )  # fmt: skip
     assert summary.ok and summary.samples_done == 12
     assert sorted(_contents(tmp_path / "s.zarr")) == sorted(s.id for s in samples)
+
+
+def test_a_server_that_dumps_elsewhere_gets_no_sample_from_its_other_workers(
+    fake, tmp_path
+) -> None:
+    """Only a server's first worker probes it: the others wait for that probe before any
+    sample is theirs, so a server whose dumps never reach the client's root costs no timeout."""
+    samples = _samples(40)
+    with FakeServer(tmp_path / "elsewhere", hidden_size=16) as stray:
+        # The client's root announces the server (a copy of its manifest), but no dump lands there.
+        shutil.copytree(stray.dump_dir / "_producers", tmp_path / "not-its-root" / "_producers")
+        summary = run_parallel_extraction(
+            samples, servers=[(fake.url, fake.dump_dir), (stray.url, tmp_path / "not-its-root")],
+            store=tmp_path / "s.zarr", workers=2, options=RunOptions(concurrency=2),
+        )  # fmt: skip
+        asked = len(stray.engine.received)
+    assert summary.ok and summary.samples_done == 40
+    assert asked == 1  # its probe, and nothing else
 
 
 def test_extract_spreads_a_dataset_over_the_servers_in_a_servers_file(tmp_path) -> None:

@@ -113,6 +113,7 @@ class _Parallel:
         self.stopping = False  # no more samples are given out (a stop, or fail-fast)
         self.cancelled = False  # a stop: the workers cancel their runs, no more requests are sent
         self._ready = False
+        self._probed: set[int] = set()  # servers whose probing worker opened: samples may go
 
     def run(self) -> None:
         self.workers = [self._spawn(spec) for spec in self.specs]
@@ -148,6 +149,8 @@ class _Parallel:
 
     def _dispatch(self) -> None:
         for worker in self._live():
+            if worker.spec.server not in self._probed:
+                continue  # a server that does not dump here fails its probe before any sample
             room = self.credit - worker.outstanding
             batch = [self.pending.popleft() for _ in range(min(room, len(self.pending)))]
             if batch:
@@ -183,9 +186,12 @@ class _Parallel:
             _, rid, sample_id, body = message
             asked = time.perf_counter()
             self.posts.ask(Ask(worker, worker.spec.server, rid, sample_id, body, asked))
-        elif kind == "ready" and not self._ready:
-            self._ready = True
-            self.summary.started = time.monotonic()  # rates exclude the workers' start-up
+        elif kind == "ready":
+            if worker.spec.client_options.get("probe", True):
+                self._probed.add(worker.spec.server)
+            if not self._ready:
+                self._ready = True
+                self.summary.started = time.monotonic()  # rates exclude the workers' start-up
         elif kind == "fatal":
             self._lost(worker, f"{message[1]}: {message[2]}")
         elif kind in ("progress", "exit"):
@@ -198,7 +204,7 @@ class _Parallel:
     def _lost(self, worker: _Worker, reason: str) -> None:
         """A worker could not open: its server is left out while other servers' workers run."""
         self.lost[worker.spec.server] = reason
-        if not [w for w in self._live() if w.spec.server not in self.lost]:
+        if not self._done() and not [w for w in self._live() if w.spec.server not in self.lost]:
             raise WorkerError(f"worker {worker.spec.writer_id}: {reason}")
         logger.warning("leaving %s out of this run: %s", worker.spec.url, reason)
 
@@ -423,7 +429,8 @@ def _worker_client_options(
     options: Mapping[str, Any], workers: int, *, first: bool
 ) -> dict[str, Any]:
     """A worker's client options: its share of an explicit dump budget, so their sum stays the
-    bound; and only a server's first worker probes it (the others share its dump root)."""
+    bound; and only a server's first worker probes it (the others share its dump root, and get
+    samples once it has opened)."""
     shared = dict(options)
     if shared.get("dump_budget_bytes"):
         shared["dump_budget_bytes"] = max(1, shared["dump_budget_bytes"] // workers)
