@@ -108,6 +108,11 @@ class _Found:
     def expired(self) -> bool:
         return self.holder is None or self.age_s >= self.holder.ttl_s
 
+    @property
+    def free(self) -> bool:
+        """Whether it may be taken: expired, or its holder is a dead process of this machine."""
+        return self.expired or (self.holder is not None and _holder_dead(self.holder))
+
 
 def _read_lease(store: Any, bucket: str, key: str) -> _Found | None:
     """The lease object at ``bucket``/``key`` as read now; None when there is none."""
@@ -137,8 +142,13 @@ def _read_lease(store: Any, bucket: str, key: str) -> _Found | None:
 def lease_holder(store: Any, bucket: str, key: str) -> str | None:
     """``"pid P on HOST"`` of the live lease at ``bucket``/``key``; None when there is none, it
     expired, or its holder is a dead process of this machine."""
-    found = _read_lease(store, bucket, key)
-    if found is None or found.holder is None or found.expired or _holder_dead(found.holder):
+    try:
+        found = _read_lease(store, bucket, key)
+    except Exception as exc:  # as `Lease` says what S3 refused, with the lease's URL
+        raise dependency_error(exc, f"s3://{bucket}/{key}", store=store) or StoreIOError(
+            f"cannot read the lease s3://{bucket}/{key}: {type(exc).__name__}"
+        ) from exc
+    if found is None or found.holder is None or found.free:
         return None
     return f"pid {found.holder.pid} on {found.holder.host}"
 
@@ -202,7 +212,7 @@ class Lease:
                 if self._try(where, IfNoneMatch="*"):
                     return
                 continue
-            if not (found.expired or (found.holder and _holder_dead(found.holder))):
+            if not found.free:
                 raise self._held(found, part, where)
             if self._try(where, IfMatch=found.etag):
                 self._log_takeover(found)

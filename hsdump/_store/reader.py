@@ -142,6 +142,10 @@ class PartReader:
             raise damaged(f"{self._where}/{self.index.name}/loss_mask", reason) from exc
         except OSError as exc:
             raise os_error(exc, self._where) from exc
+        except Exception as exc:
+            if (failed := dependency_error(exc, self._where)) is not None:
+                raise failed from exc
+            raise  # not about the stored bytes: a bug is raised as itself
 
     def checksum_error(self, row: int) -> str | None:
         """Why a row's stored bytes are bad, or None when they match the checksum."""

@@ -243,13 +243,15 @@ def live_writers(
 ) -> list[str]:
     """The parts of the store at ``path`` that live writers hold now (for an S3 lease, with its
     holder's pid and host); none when there is no store yet."""
-    try:
-        store = open_store(path, "r", storage_options=storage_options)
+    try:  # the parts' names only: no part's index is read
+        root = open_root(path, "r", storage_options)
+        names = [n for n in child_groups(root) if n.startswith(PART_PREFIX)]
+    except OSError as exc:
+        raise os_error(exc, describe(path)) from exc
     except HsdumpError:
         return []  # no store yet; or one the run itself will report on
-    with store:
-        held = (part_holder(store._root, name) for name in store._readers)
-        return [h for h in held if h is not None]
+    held = (part_holder(root, name) for name in sorted(names))
+    return [h for h in held if h is not None]
 
 
 class HiddenStateStore:
