@@ -13,11 +13,9 @@ from pathlib import Path
 from hsdump._protocol import ENV_DUMP_DIR, FinalNorm
 
 __all__ = [
-    "FINAL_NORMS",
     "MIN_FREE_BYTES",
     "PARTIAL_TTL_S",
     "SPACE_TIMEOUT_S",
-    "FinalNorm",
     "PluginConfig",
     "allow_untested_sglang",
     "default_write_threads",
@@ -26,8 +24,6 @@ __all__ = [
 ]
 
 _MIB = 1 << 20
-#: The final-state conventions the plugin can dump (``HSDUMP_FINAL_NORM``).
-FINAL_NORMS: tuple[FinalNorm, ...] = ("post_norm", "pre_norm")
 _ALLOW_UNTESTED = "HSDUMP_ALLOW_UNTESTED_SGLANG"
 
 #: Free space the dump root's filesystem keeps.

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from hsdump._protocol import DumpMeta, DumpWriter, ProducerInfo, dtype_itemsize
-from sglang_patch._config import FinalNorm, PluginConfig
+from hsdump._protocol import DumpMeta, DumpWriter, FinalNorm, ProducerInfo, dtype_itemsize
+from sglang_patch._config import PluginConfig
 from sglang_patch._ledger import Assembly, Ledger
 from sglang_patch._staging import Piece
 

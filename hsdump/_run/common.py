@@ -24,6 +24,7 @@ from types import FrameType
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from hsdump._exceptions import ConfigError, SampleExistsError, StoreError
+from hsdump._store.objstore import store_may_exist
 
 if TYPE_CHECKING:
     from hsdump._store.part import Refused
@@ -458,11 +459,6 @@ class FailureLog:
             self._file.close()
 
 
-def _absent(store: str) -> bool:
-    """A local path with nothing there (a URL is asked of the store itself)."""
-    return "://" not in store and not Path(store).exists()
-
-
 def plan_samples(
     samples: Sequence[Sample],
     store: str,
@@ -471,7 +467,7 @@ def plan_samples(
 ) -> list[Sample]:
     """What is left to do; a stored id whose dataset tokens changed is a failure, not a skip."""
     opened_store = None
-    if not _absent(store):  # zarr is imported only for a store that may be there
+    if store_may_exist(store):  # zarr is imported only for a store that may be there
         from hsdump._store.store import open_store
 
         # An object-store URL with no store yet holds nothing (the workers report other errors).

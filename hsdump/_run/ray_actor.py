@@ -28,6 +28,7 @@ from hsdump._run.common import (
     peak_rss_bytes,
 )
 from hsdump._run.pipeline import run_extraction
+from hsdump._store.objstore import is_url
 from hsdump._types import Sample
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ class ExtractionActor:
 
     def _s3_note(self, exc: HsdumpError) -> str:
         """Where an actor's AWS settings come from, when S3 refused it or could not be reached."""
-        if not isinstance(exc, StoreIOError) or "://" not in self.spec.store:
+        if not isinstance(exc, StoreIOError) or not is_url(self.spec.store):
             return ""
         import ray  # this runs in a Ray worker
 
