@@ -133,12 +133,19 @@ _FINAL_NORM = {
 }
 
 
+def _difference(a: Provenance, b: Provenance) -> tuple[str, Any, Any] | None:
+    """The first setting known on both sides that differs: its name and the two values."""
+    for name in SETTING_FIELDS:
+        have, got = getattr(a, name), getattr(b, name)
+        if have is not None and got is not None and have != got:
+            return name, have, got
+    return None
+
+
 def check_compatible(store: Provenance, sample: Provenance, *, where: str, sample_id: str) -> None:
     """Raise `ProvenanceMismatch` if a setting known on both sides differs."""
-    for name in SETTING_FIELDS:
-        have, got = getattr(store, name), getattr(sample, name)
-        if have is None or got is None or have == got:
-            continue
+    if (found := _difference(store, sample)) is not None:
+        name, have, got = found
         raise ProvenanceMismatch(
             f"{name} differs: the store at {where} holds samples with {name}={have!r}, this sample "
             f"has {name}={got!r}. One store holds one setting: write this sample to a new store "
@@ -159,12 +166,11 @@ def check_server(store: Provenance, manifest: ProducerManifest, *, where: str, u
         producer_name=manifest.producer.name,
         producer_version=manifest.producer.version,
     )
-    for name in SETTING_FIELDS:
-        have, got = getattr(store, name), getattr(server, name)
-        if have is not None and got is not None and have != got:
-            raise ProvenanceMismatch(
-                f"the store at {where} was made under another setting than the server at {url} "
-                f"dumps: {name} differs (store {have!r}, server {got!r}). One store holds one "
-                "setting: extract into a new store (another --out), or run the server with the "
-                "store's settings"
-            )
+    if (found := _difference(store, server)) is not None:
+        name, have, got = found
+        raise ProvenanceMismatch(
+            f"the store at {where} was made under another setting than the server at {url} "
+            f"dumps: {name} differs (store {have!r}, server {got!r}). One store holds one "
+            "setting: extract into a new store (another --out), or run the server with the "
+            "store's settings"
+        )
